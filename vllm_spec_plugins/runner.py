@@ -52,11 +52,12 @@ def to_token_prompts(tokenizer, rows: list) -> list[list[int]]:
         elif isinstance(r, str):
             out.append(tokenizer.encode(r))
         elif "messages" in r:
-            out.append(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True,
-                                                     tokenize=True))
+            text = tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True,
+                                                 tokenize=False)
+            out.append(tokenizer.encode(text, add_special_tokens=False))
         else:
             out.append(tokenizer.encode(r["prompt"]))
-    return [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in out]
+    return [[int(t) for t in p] for p in out]
 
 
 def run(job: dict) -> dict:
@@ -70,7 +71,7 @@ def run(job: dict) -> dict:
               speculative_config=job.get("speculative_config"),
               max_model_len=job.get("max_model_len", 2048),
               max_num_seqs=job.get("batch_size", 1), seed=job.get("seed", 0),
-              enable_prefix_caching=job.get("enable_prefix_caching", False),
+              enable_prefix_caching=job.get("enable_prefix_caching", False), disable_log_stats=False,
               **job.get("llm_kwargs", {}))
     startup = time.perf_counter() - t0
     tok = llm.get_tokenizer()

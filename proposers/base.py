@@ -28,7 +28,13 @@ class RequestStep:
     # Target argmax at each verified position: len(drafts) + 1 entries, entry i is the target's
     # prediction after the prefix + drafts[:i]. None when the runner did not collect it.
     target_argmax: list[int] | None = None
-    # Per-draft-position Jacobi bookkeeping is the proposer's business; this is just the record.
+    # When the drafts were a tree: parent index per draft (-1 = root), and the accepted nodes.
+    # target_argmax then has one entry per tree row (row 0 = root, row 1+i = node i).
+    tree_parents: list[int] | None = None
+    accepted_nodes: list[int] | None = None
+    # False when the engine can only verify a chain for this request (e.g. logprobs or
+    # penalties requested): a tree returned for it is cut to its first root-to-leaf path.
+    tree_ok: bool = True
 
     @property
     def num_accepted(self) -> int:
@@ -70,7 +76,8 @@ class Proposer:
     def propose_one(self, state: object, req: RequestStep, k: int) -> list[int]:
         raise NotImplementedError
 
-    def propose(self, ctx: StepContext) -> list[list[int]]:
+    def propose(self, ctx: StepContext) -> list:
+        """One draft per row: a list of token ids (a chain) or a `DraftTree`."""
         for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
             self.release(rid)
         k = min(self.k, ctx.num_speculative_tokens or self.k)
@@ -84,7 +91,7 @@ class Proposer:
                 continue
             self.observe(state, req)
             drafts = self.propose_one(state, req, k) if k > 0 else []
-            out.append(list(drafts[:k]))
+            out.append(drafts if hasattr(drafts, "parents") else list(drafts[:k]))
         return out
 
 

@@ -230,3 +230,49 @@ def load_references(path: str) -> dict[tuple, list[int]]:
     import json
     with open(path) as f:
         return {tuple(p): list(o) for p, o in json.load(f)}
+
+
+class OracleTreeProposer(OracleProposer):
+    """A random draft tree of `nodes` nodes that hides the true continuation (`depth` tokens)
+    in one branch; every other node is a wrong token. With exact tree verification every step
+    accepts the whole true branch: tau = depth + 1. `adversarial=True`: no true branch at all."""
+
+    def __init__(self, k: int, references: dict | None = None, nodes: int = 8, depth: int = 3,
+                 vocab_size: int = 2, adversarial: bool = False, seed: int = 0):
+        if not 1 <= depth <= nodes <= k:
+            raise ValueError(f"need 1 <= depth ({depth}) <= nodes ({nodes}) <= k ({k})")
+        super().__init__(k, references)
+        self.nodes, self.depth, self.vocab = nodes, depth, vocab_size
+        self.adversarial, self.seed = adversarial, seed
+
+    def propose_one(self, st, req, k):
+        from vllm_spec_plugins.scorers import DraftTree
+        true = self._next(st, req, min(self.depth, k))
+        rng = np.random.default_rng([self.seed, len(req.token_ids)])
+        if not true:
+            return []
+        nodes = min(self.nodes, k)
+        # Build: the true path goes in as a random sibling position; distractors get random
+        # parents among nodes already placed; tokens never equal a true child of that parent.
+        tokens, parents = [], []
+        true_node = {}                            # depth -> node index on the true path
+        n_true = len(true)
+        order = sorted(rng.choice(nodes, size=n_true, replace=False).tolist())
+        for i in range(nodes):
+            if order and i == order[0] and len(true_node) < n_true:
+                order.pop(0)
+                d = len(true_node) + 1
+                tokens.append(true[d - 1] if not self.adversarial else (true[d - 1] + 1) % self.vocab)
+                parents.append(true_node.get(d - 1, -1))
+                true_node[d] = i
+                continue
+            p = int(rng.integers(-1, i)) if i else -1
+            # a true-path parent at depth d has true child true[d]; never duplicate it
+            d_parent = next((d for d, n in true_node.items() if n == p), 0 if p == -1 else None)
+            bad = {true[d_parent]} if d_parent is not None and d_parent < n_true else set()
+            t = int(rng.integers(0, self.vocab))
+            while t in bad:
+                t = (t + 1) % self.vocab
+            tokens.append(t)
+            parents.append(p)
+        return DraftTree(tokens, parents)

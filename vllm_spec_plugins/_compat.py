@@ -38,6 +38,19 @@ SYMBOLS: dict[str, dict[str, tuple[str, ...]]] = {
             "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata",
             "common_attn_metadata", "slot_mappings"),
         "GPUModelRunner._sample": ("self", "logits", "spec_decode_metadata"),
+        "GPUModelRunner._prepare_inputs": ("self", "scheduler_output", "num_scheduled_tokens"),
+        "GPUModelRunner.positions": (),
+        "GPUModelRunner.query_start_loc": (),
+    },
+    "vllm.v1.attention.backends.cpu_attn": {
+        "CPUAttentionBackendImpl.forward": ("self", "layer", "query", "key", "value", "kv_cache",
+                                            "attn_metadata", "output"),
+    },
+    "vllm.v1.worker.gpu_input_batch": {
+        "InputBatch.num_computed_tokens_cpu": (), "InputBatch.temperature_cpu": (),
+        "InputBatch.generators": (), "InputBatch.num_logprobs": (), "InputBatch.top_p_reqs": (),
+        "InputBatch.top_k_reqs": (), "InputBatch.bad_words_token_ids": (),
+        "InputBatch.token_ids_cpu": (), "InputBatch.num_tokens_no_spec": (),
     },
     "vllm.v1.core.sched.output": {
         "SchedulerOutput.finished_req_ids": (),
@@ -85,14 +98,27 @@ def check_version(version: str | None = None, strict: bool = False) -> bool:
     return False
 
 
+def _instance_attrs(cls) -> set[str]:
+    """Names assigned as `self.name` in a class's __init__ (instance attributes)."""
+    import inspect
+    import re
+    try:
+        src = inspect.getsource(cls.__init__)
+    except (OSError, TypeError):
+        return set()
+    return set(re.findall(r"self\.(\w+)\s*(?::[^=\n]+)?=(?!=)", src))
+
+
 def resolve(module: str, attr: str):
     import importlib
     obj = importlib.import_module(module)
     for part in attr.split("."):
-        if isinstance(obj, type) and part not in dir(obj) and part in getattr(obj, "__dataclass_fields__", {}):
-            return obj.__dataclass_fields__[part]
-        if isinstance(obj, type) and part in getattr(obj, "__annotations__", {}) and not hasattr(obj, part):
-            return obj.__annotations__[part]
+        if isinstance(obj, type) and not hasattr(obj, part):
+            fields = getattr(obj, "__dataclass_fields__", {})
+            if part in fields:
+                return fields[part]
+            if part in getattr(obj, "__annotations__", {}) or part in _instance_attrs(obj):
+                return part
         obj = getattr(obj, part)
     return obj
 
@@ -145,14 +171,43 @@ def apply_patches() -> None:
 
     EngineArgs.create_speculative_config = create_speculative_config
     _patch_runner()
+    _patch_cpu_attention()
     _patched = True
+
+
+def _patch_cpu_attention() -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from vllm_spec_plugins import tree_step
+
+    orig_forward = CPUAttentionBackendImpl.forward
+
+    @functools.wraps(orig_forward)
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        out = orig_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if attn_metadata is not None and tree_step.current() is not None:
+            tree_step.attend(self, query, kv_cache, attn_metadata, output)
+        return out
+
+    CPUAttentionBackendImpl.forward = forward
 
 
 def _patch_runner() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from vllm_spec_plugins import tree_step
+
     orig_sample = GPUModelRunner._sample
     orig_propose = GPUModelRunner.propose_draft_token_ids
+    orig_prepare = GPUModelRunner._prepare_inputs
+
+    @functools.wraps(orig_prepare)
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        out = orig_prepare(self, scheduler_output, num_scheduled_tokens)
+        drafter = getattr(self, "drafter", None)
+        if getattr(drafter, "is_vllm_spec_plugin", False):
+            tree_step.begin(self, scheduler_output, drafter.trees)   # depth positions, masks
+        return out
 
     @functools.wraps(orig_sample)
     def _sample(self, logits, spec_decode_metadata):
@@ -160,7 +215,10 @@ def _patch_runner() -> None:
         if logits is not None and getattr(drafter, "needs_target_argmax", False):
             # Target argmax at every verified position, before the sampler touches the logits.
             drafter.record_target_argmax(logits, spec_decode_metadata)
-        return orig_sample(self, logits, spec_decode_metadata)
+        out = orig_sample(self, logits, spec_decode_metadata)
+        if tree_step.current() is not None:
+            tree_step.accept(self, logits, spec_decode_metadata, out)
+        return out
 
     @functools.wraps(orig_propose)
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
@@ -169,5 +227,6 @@ def _patch_runner() -> None:
             return orig_propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         return drafter.propose_for_runner(self, scheduler_output, sampled_token_ids)
 
+    GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner._sample = _sample
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids

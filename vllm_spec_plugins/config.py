@@ -38,12 +38,16 @@ METHODS: dict[str, dict[str, Key]] = {
     },
     # Test proposers: drafts from a reference file {prompt ids -> plain greedy output ids}.
     "oracle": {
-        "num_speculative_tokens": Key(4, 1, 64, int, "draft chain length"),
+        "num_speculative_tokens": Key(4, 1, 64, int, "draft chain length / tree node budget"),
         "references": Key(None, kind=str, help="JSON file: [[prompt_ids, output_ids], ...]"),
+        "tree_nodes": Key(0, 0, 64, int, "0: chain drafts; else a random tree of this many nodes"),
+        "tree_depth": Key(3, 1, 64, int, "depth of the true branch hidden in the tree"),
     },
     "adversarial": {
-        "num_speculative_tokens": Key(4, 1, 64, int, "draft chain length"),
+        "num_speculative_tokens": Key(4, 1, 64, int, "draft chain length / tree node budget"),
         "references": Key(None, kind=str, help="JSON file: [[prompt_ids, output_ids], ...]"),
+        "tree_nodes": Key(0, 0, 64, int, "0: chain drafts; else a random tree of this many nodes"),
+        "tree_depth": Key(3, 1, 64, int, "depth of the true branch hidden in the tree"),
     },
 }
 # Named in the design, not shipped yet: refused with a clear message rather than half-working.
@@ -130,6 +134,8 @@ def validate(spec: dict) -> dict:
                              f"num_speculative_tokens + 1 = {out['num_speculative_tokens'] + 1}")
         if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
             raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
+    if out.get("tree_nodes") and not out["tree_depth"] <= out["tree_nodes"] <= out["num_speculative_tokens"]:
+        raise ValueError("speculative_config: need tree_depth <= tree_nodes <= num_speculative_tokens")
     if "references" in out:
         _check_readable(out["references"], "references")
     return out

@@ -23,9 +23,39 @@ def build_proposer(params: dict) -> Proposer:
     if method in ("oracle", "adversarial"):
         from vllm_spec_plugins.proposers import testing
         refs = testing.load_references(p["references"])
-        cls = testing.OracleProposer if method == "oracle" else testing.AdversarialProposer
-        return cls(k, references=refs) if method == "oracle" else cls(k, references=refs, vocab_size=vocab)
+        if p.get("tree_nodes"):
+            return testing.OracleTreeProposer(k, refs, p["tree_nodes"], p["tree_depth"], vocab or 2,
+                                              adversarial=method == "adversarial")
+        if method == "oracle":
+            return testing.OracleProposer(k, references=refs)
+        return testing.AdversarialProposer(k, references=refs, vocab_size=vocab)
     raise ValueError(f"unknown vllm-spec-plugins method {method!r}")
+
+
+def tree_eligible(runner, i: int, rid: str) -> bool:
+    """Trees need raw target logits: no logprobs, penalties, top-k/p, bias or grammar."""
+    b = runner.input_batch
+    if (rid in b.num_logprobs or rid in b.top_p_reqs or rid in b.top_k_reqs
+            or rid in b.frequency_penalties_reqs or rid in b.presence_penalties_reqs
+            or rid in b.repetition_penalties_reqs or rid in b.has_allowed_token_ids
+            or i in b.bad_words_token_ids):
+        return False
+    req = runner.requests.get(rid)
+    sp = getattr(req, "sampling_params", None)
+    if sp is None:
+        return False
+    return not (sp.structured_outputs or sp.min_p or sp.logit_bias or sp.prompt_logprobs)
+
+
+def _first_path(tree) -> list[int]:
+    """Node 0, its first child, that child's first child, ... as a chain."""
+    out, cur = [], -1
+    while True:
+        nxt = next((i for i, p in enumerate(tree.parents) if p == cur), None)
+        if nxt is None:
+            return out
+        out.append(tree.tokens[nxt])
+        cur = nxt
 
 
 class PluginProposer:
@@ -43,6 +73,7 @@ class PluginProposer:
         self.needs_target_argmax = self.impl.needs_target_argmax
         self.max_model_len = vllm_config.model_config.max_model_len
         self._argmax: list[list[int]] | None = None
+        self.trees: dict = {}     # req_id -> DraftTree proposed last step (verified next step)
         logger.info("vllm-spec-plugins: %s proposer with %s", params["method"], params)
 
     def load_model(self, *args, **kwargs) -> None:  # model-free proposers load nothing
@@ -65,24 +96,38 @@ class PluginProposer:
         self._argmax = out
 
     def propose_for_runner(self, runner, scheduler_output, sampled_token_ids) -> list[list[int]]:
+        from vllm_spec_plugins import tree_step
         batch = runner.input_batch
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         argmax, self._argmax = self._argmax, None
+        verified_trees = tree_step.end()
         reqs = []
         for i, rid in enumerate(batch.req_ids):
             n = int(batch.num_tokens_no_spec[i])
             drafts = [t for t in scheduled.get(rid, ()) if t >= 0]
             am = argmax[i] if argmax is not None and i < len(argmax) else None
+            parents, accepted = verified_trees.get(i, (None, None))
             reqs.append(RequestStep(rid, batch.token_ids_cpu[i, :n], list(sampled_token_ids[i]),
-                                    drafts, am))
+                                    drafts, am, parents, accepted, tree_eligible(runner, i, rid)))
+        gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+        for rid in gone:
+            self.trees.pop(rid, None)
         ctx = StepContext(reqs, set(scheduler_output.finished_req_ids),
                           set(scheduler_output.preempted_req_ids or ()), self.impl.k)
-        drafts = self.impl.propose(ctx)
-        for i, req in enumerate(reqs):   # never draft past max_model_len
-            room = self.max_model_len - len(req.token_ids) - 1
-            if len(drafts[i]) > room:
-                drafts[i] = drafts[i][: max(room, 0)]
-        return drafts
+        out = []
+        for req, d in zip(reqs, self.impl.propose(ctx)):
+            room = max(self.max_model_len - len(req.token_ids) - 1, 0)   # never past max_model_len
+            if hasattr(d, "parents"):                                   # a DraftTree
+                if not req.tree_ok:
+                    d = _first_path(d)
+                else:
+                    d = tree_step.truncate(d, room)
+                    self.trees[req.req_id] = d
+                    out.append(list(d.tokens))
+                    continue
+            self.trees.pop(req.req_id, None)
+            out.append(list(d[:room]))
+        return out
 
 
 def plugin_state_summary(worker) -> dict:

@@ -1,0 +1,150 @@
+"""Draft trees inside vLLM's forward pass (worker side).
+
+The scheduler only sees a flat list of draft tokens per request (the tree in topological order).
+Everything else stays in the worker:
+  1. `begin`  (after the runner's _prepare_inputs): depth-based positions for tree rows; the KV
+     slots stay sequential, so node i of a request lives in the slot of position prefix + 1 + i.
+  2. `attend` (after each attention layer): the tree rows' attention is recomputed with the tree
+     mask (prefix + root + own ancestors) over the paged KV cache.
+  3. `accept` (after the runner's sampler): tree acceptance (greedy or lossless sampled) replaces
+     vLLM's chain verdict for tree rows; the accepted path's KV is copied into consecutive slots
+     (compaction), so the scheduler, prefix caching and preemption see a normal sequence with
+     `len(accepted)` accepted drafts.
+Requests whose drafts are chains go through vLLM's own rejection sampler untouched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_spec_plugins.scorers import DraftTree, greedy_accept, sampled_accept
+
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class TreeStep:
+    rows: dict[int, DraftTree]                     # batch row -> tree verified this step
+    masks: dict[int, torch.Tensor]                 # batch row -> [1+n, 1+n] ancestor mask
+    accepted: dict[int, list[int]] = field(default_factory=dict)
+    kv_caches: dict[int, torch.Tensor] = field(default_factory=dict)   # data_ptr -> layer cache
+    slot_mapping: torch.Tensor | None = None
+
+
+_current: TreeStep | None = None
+
+
+def current() -> TreeStep | None:
+    return _current
+
+
+def is_chain(tree: DraftTree) -> bool:
+    return all(p == i - 1 for i, p in enumerate(tree.parents))
+
+
+def truncate(tree: DraftTree, m: int) -> DraftTree:
+    """The first m nodes (still a tree: nodes are topologically ordered)."""
+    if m >= len(tree):
+        return tree
+    q = tree.draft_probs[:m] if tree.draft_probs is not None else None
+    return DraftTree(tree.tokens[:m], tree.parents[:m], q)
+
+
+def begin(runner, scheduler_output, pending: dict[str, DraftTree]) -> None:
+    global _current
+    _current = None
+    if not pending:
+        return
+    batch = runner.input_batch
+    scheduled = scheduler_output.scheduled_spec_decode_tokens
+    qsl = runner.query_start_loc.cpu
+    rows: dict[int, DraftTree] = {}
+    for i, rid in enumerate(batch.req_ids):
+        tree = pending.pop(rid, None)
+        m = len(scheduled.get(rid, ()))
+        if tree is None or m == 0:
+            continue
+        tree = truncate(tree, m)
+        if is_chain(tree):
+            continue
+        rows[i] = tree
+        start = int(qsl[i]) + 1
+        base = int(batch.num_computed_tokens_cpu[i])
+        runner.positions[start:start + m] = torch.tensor(tree.depths, dtype=runner.positions.dtype) + base
+    if rows:
+        _current = TreeStep(rows, {i: t.ancestor_mask() for i, t in rows.items()})
+
+
+def attend(impl, query, kv_cache, attn_metadata, output) -> None:
+    """Recompute the tree rows of one attention layer with the tree mask (CPU paged layout)."""
+    from vllm_spec_plugins.tree_attention import cpu_tree_attention
+    step = _current
+    if impl.sliding_window is not None or impl.logits_soft_cap not in (None, 0) or impl.sinks is not None:
+        raise NotImplementedError("tree verification does not support sliding-window, soft-capped "
+                                  "or sink attention yet; use chain drafts for this model")
+    nb, h, bs, d2 = kv_cache.shape
+    kv = kv_cache.view(nb, h, bs * 2, d2 // 2)
+    key_cache, value_cache = kv[:, :, :bs], kv[:, :, bs:]
+    cpu_tree_attention(query, key_cache, value_cache, attn_metadata.block_table,
+                       attn_metadata.seq_lens, attn_metadata.query_start_loc, step.masks,
+                       impl.scale, output)
+    step.kv_caches.setdefault(kv_cache.data_ptr(), kv_cache)
+    if step.slot_mapping is None:
+        step.slot_mapping = attn_metadata.slot_mapping
+
+
+def accept(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output) -> None:
+    """Tree acceptance for tree rows, written into the sampler output; then KV compaction."""
+    step = _current
+    if step is None or spec_decode_metadata is None:
+        return
+    batch = runner.input_batch
+    out = sampler_output.sampled_token_ids
+    starts, pos = [], 0
+    for n in spec_decode_metadata.num_draft_tokens:
+        starts.append(pos)
+        pos += n + 1
+    qsl = runner.query_start_loc.cpu
+    src, dst = [], []
+    for i, tree in step.rows.items():
+        rows = logits[starts[i]: starts[i] + 1 + len(tree)]
+        temp = float(batch.temperature_cpu[i])
+        if temp < _SAMPLING_EPS:
+            res = greedy_accept(tree, rows)
+        else:
+            probs = torch.softmax(rows.float() / temp, dim=-1)
+            res = sampled_accept(tree, probs, batch.generators.get(i))
+        toks = res.accepted_tokens + [res.bonus_token]
+        out[i].fill_(-1)
+        out[i, :len(toks)] = torch.tensor(toks, dtype=out.dtype)
+        step.accepted[i] = res.accepted_nodes
+        q0 = int(qsl[i])
+        for depth, node in enumerate(res.accepted_nodes, start=1):
+            if node + 1 != depth:          # not already in the slot of its final position
+                src.append(q0 + 1 + node)
+                dst.append(q0 + depth)
+    if src and step.slot_mapping is not None:
+        compact(list(step.kv_caches.values()), step.slot_mapping[src].long(),
+                step.slot_mapping[dst].long())
+
+
+def compact(kv_caches: list[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Copy K and V of `src_slots` into `dst_slots` in every layer (CPU layout
+    [num_blocks, kv_heads, block_size, 2 * head_size])."""
+    for kv_cache in kv_caches:
+        nb, h, bs, d2 = kv_cache.shape
+        kv = kv_cache.view(nb, h, 2, bs, d2 // 2)   # [:, :, 0] = K rows, [:, :, 1] = V rows
+        sb, so = src_slots // bs, src_slots % bs
+        db, do = dst_slots // bs, dst_slots % bs
+        vals = kv[sb, :, :, so]          # [m, h, 2, d] (gather first: sources may be overwritten)
+        kv[db, :, :, do] = vals
+
+
+def end() -> dict[int, tuple[list[int], list[int]]]:
+    """Clears the step; returns batch row -> (tree parents, accepted nodes)."""
+    global _current
+    step, _current = _current, None
+    if step is None:
+        return {}
+    return {i: (t.parents, step.accepted.get(i, [])) for i, t in step.rows.items()}

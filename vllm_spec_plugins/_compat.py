@@ -186,7 +186,7 @@ def _patch_cpu_attention() -> None:
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         out = orig_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if attn_metadata is not None and tree_step.current() is not None:
-            tree_step.attend(self, query, kv_cache, attn_metadata, output)
+            tree_step.attend(self, layer, query, kv_cache, attn_metadata, output)
         return out
 
     CPUAttentionBackendImpl.forward = forward

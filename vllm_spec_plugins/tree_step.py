@@ -28,7 +28,7 @@ class TreeStep:
     rows: dict[int, DraftTree]                     # batch row -> tree verified this step
     masks: dict[int, torch.Tensor]                 # batch row -> [1+n, 1+n] ancestor mask
     accepted: dict[int, list[int]] = field(default_factory=dict)
-    kv_caches: dict[int, torch.Tensor] = field(default_factory=dict)   # data_ptr -> layer cache
+    kv_caches: dict[int, tuple] = field(default_factory=dict)   # data_ptr -> (K, V, isa) per layer
     slot_mapping: torch.Tensor | None = None
 
 
@@ -76,20 +76,20 @@ def begin(runner, scheduler_output, pending: dict[str, DraftTree]) -> None:
         _current = TreeStep(rows, {i: t.ancestor_mask() for i, t in rows.items()})
 
 
-def attend(impl, query, kv_cache, attn_metadata, output) -> None:
+def attend(impl, layer, query, kv_cache, attn_metadata, output) -> None:
     """Recompute the tree rows of one attention layer with the tree mask (CPU paged layout)."""
     from vllm_spec_plugins.tree_attention import cpu_tree_attention
     step = _current
-    if impl.sliding_window is not None or impl.logits_soft_cap not in (None, 0) or impl.sinks is not None:
+    if impl.sliding_window not in (None, -1) or impl.logits_soft_cap not in (None, 0) or impl.sinks is not None:
         raise NotImplementedError("tree verification does not support sliding-window, soft-capped "
                                   "or sink attention yet; use chain drafts for this model")
     nb, h, bs, d2 = kv_cache.shape
-    kv = kv_cache.view(nb, h, bs * 2, d2 // 2)
-    key_cache, value_cache = kv[:, :, :bs], kv[:, :, bs:]
-    cpu_tree_attention(query, key_cache, value_cache, attn_metadata.block_table,
+    key_cache, value_cache = kv_cache.view(nb, h, bs * 2, d2 // 2).chunk(2, dim=2)  # as vLLM does
+    n = attn_metadata.num_actual_tokens
+    cpu_tree_attention(query[:n], key_cache, value_cache, attn_metadata.block_table,
                        attn_metadata.seq_lens, attn_metadata.query_start_loc, step.masks,
-                       impl.scale, output)
-    step.kv_caches.setdefault(kv_cache.data_ptr(), kv_cache)
+                       impl.scale, output[:n], isa=layer.isa)
+    step.kv_caches.setdefault(kv_cache.data_ptr(), (key_cache, value_cache, layer.isa))
     if step.slot_mapping is None:
         step.slot_mapping = attn_metadata.slot_mapping
 
@@ -129,16 +129,11 @@ def accept(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output) -
                 step.slot_mapping[dst].long())
 
 
-def compact(kv_caches: list[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-    """Copy K and V of `src_slots` into `dst_slots` in every layer (CPU layout
-    [num_blocks, kv_heads, block_size, 2 * head_size])."""
-    for kv_cache in kv_caches:
-        nb, h, bs, d2 = kv_cache.shape
-        kv = kv_cache.view(nb, h, 2, bs, d2 // 2)   # [:, :, 0] = K rows, [:, :, 1] = V rows
-        sb, so = src_slots // bs, src_slots % bs
-        db, do = dst_slots // bs, dst_slots % bs
-        vals = kv[sb, :, :, so]          # [m, h, 2, d] (gather first: sources may be overwritten)
-        kv[db, :, :, do] = vals
+def compact(kv_caches: list[tuple], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Copy K and V of `src_slots` into `dst_slots` in every layer (vLLM's packed CPU layout)."""
+    from vllm_spec_plugins.tree_attention import copy_kv_slots
+    for key_cache, value_cache, isa in kv_caches:
+        copy_kv_slots(key_cache, value_cache, src_slots, dst_slots, isa)
 
 
 def end() -> dict[int, tuple[list[int], list[int]]]:

@@ -16,15 +16,38 @@ argmax at every verified position, which is one Jacobi iteration of whatever we 
   does not cover carry the Jacobi window's current guesses, so the window keeps iterating.
 
 All per-step work is O(k * ngram + new tokens); memory per request is bounded by `pool_cap`.
+
+Full form (`tree=True`, Fu et al. 2024 section 3): where the engine can verify a draft tree for
+a request (`req.tree_ok`), each step drafts one `DraftTree` of at most `tree_nodes` nodes that
+carries both of the paper's branches, so one target pass verifies and iterates:
+
+* verification branch: up to G candidates -- the chain form's chain (prompt lookup / pool,
+  extended up to k), the other pool n-grams keyed on the last token (most recent first), the
+  1-token prompt-lookup match -- merged as a trie (shared prefixes share nodes);
+* lookahead branch: the Jacobi window hanging off the root as a chain (W guesses), sharing nodes
+  with a candidate whose prefix equals it.
+Node order = best first, so any prefix (the node cap, the scheduler's cut) is a sensible tree:
+each node scores max over the candidates through it of rank_decay**rank * depth_decay**(depth-1)
+(the window as a candidate of weight `window_weight`), sorted descending (ties: shallower first).
+A child never outscores its parent, so the order is topological. See `_propose_tree`.
+Harvest from a verified tree (O(tree size * N)): the window chain gives the chain form's
+diagonal n-grams and the next Jacobi window (by absolute position, as for a chain); every
+other node i gives the n-gram "last N-1 tokens of root context + path(i)" + the target's token
+after path(i) (row 1+i), kept only when every link inside it is genuine (the child token is the
+target's own output after its parent in this pass): a rejected node's own token is not.
 """
 from __future__ import annotations
 
 import sys
 from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .base import Proposer, RequestStep
+
+if TYPE_CHECKING:
+    from vllm_spec_plugins.scorers.tree import DraftTree
 
 
 class NGramPool:
@@ -77,7 +100,8 @@ class NGramPool:
 
 
 class _State:
-    __slots__ = ("pool", "index", "seen", "window", "start", "levels", "rng")
+    __slots__ = ("pool", "index", "seen", "window", "start", "levels", "rng", "lpath", "proposed", "tries",
+                 "hits")
 
     def __init__(self, p: "LookaheadProposer"):
         self.pool = NGramPool(p.ngram, p.pool_cap, p.guesses)
@@ -87,6 +111,11 @@ class _State:
         self.start = 0
         self.levels: deque = deque(maxlen=max(p.ngram - 2, 0))  # (base, drafts, argmax), oldest first
         self.rng = 0x9E3779B97F4A7C15
+        # tree form only
+        self.lpath: list[list[int]] = []  # lookahead branches drafted last step (from position start)
+        self.proposed: tuple | None = None  # (tokens, parents, node classes) drafted last step
+        self.tries: list[float] | None = None  # per node class: decayed reach / accept counts
+        self.hits: list[float] | None = None
 
     def nbytes(self) -> int:
         return (self.pool.nbytes() + sys.getsizeof(self.index) + sum(map(sys.getsizeof, self.index))
@@ -96,9 +125,18 @@ class _State:
 class LookaheadProposer(Proposer):
     needs_target_argmax = True
 
+    #: Tree form node order (see module docstring): a node scores max over the candidates through
+    #: it of weight * depth_decay**(depth-1); candidate r weighs rank_decay**r, the Jacobi window
+    #: window_weight. Class attributes so a sweep can override them; defaults from the sweep in
+    #: tests/test_proposers_lookahead.py's notes (ToyEngine targets).
+    rank_decay = 0.5
+    depth_decay = 0.8
+    window_weight = 0.5
+
     def __init__(self, num_speculative_tokens: int, window: int | None = None, ngram: int = 3,
                  guesses: int = 8, pool_cap: int = 4096, prompt_lookup_min: int = 1,
-                 prompt_lookup_max: int = 3, vocab_size: int | None = None):
+                 prompt_lookup_max: int = 3, vocab_size: int | None = None, tree: bool = False,
+                 tree_nodes: int | None = None):
         super().__init__(num_speculative_tokens)
         k = self.k
         window = k if window is None else window
@@ -118,6 +156,11 @@ class LookaheadProposer(Proposer):
             check("prompt_lookup_min", prompt_lookup_min, 1, prompt_lookup_max, " (prompt_lookup_max)")
         if vocab_size is not None:
             check("vocab_size", vocab_size, 1)
+        if not isinstance(tree, (bool, np.bool_)):
+            raise ValueError(f"lookahead: tree must be True or False, got {tree!r}")
+        tree_nodes = k if tree_nodes is None or (tree_nodes == 0 and not isinstance(tree_nodes, bool)) else tree_nodes
+        check("tree_nodes", tree_nodes, 1, k, " (num_speculative_tokens; 0 or None = num_speculative_tokens)")
+        self.tree, self.tree_nodes = bool(tree), int(tree_nodes)
         self.window, self.ngram, self.guesses, self.pool_cap = int(window), int(ngram), int(guesses), int(pool_cap)
         self.pl_min, self.pl_max = (int(prompt_lookup_min), int(prompt_lookup_max)) if prompt_lookup_max else (0, 0)
         self.vocab_size = vocab_size
@@ -131,6 +174,15 @@ class LookaheadProposer(Proposer):
 
     # ---- observe ---------------------------------------------------------------------------
     def observe(self, st: _State, req: RequestStep) -> None:
+        if self.tree:
+            if req.tree_parents is not None:
+                return self._observe_tree(st, req)
+            # a chain: our tree cut to a chain (scheduler), or a chain we drafted (not tree_ok)
+            proposed, st.proposed = st.proposed, None
+            n = len(req.drafts)
+            if proposed is not None and n and list(proposed[0][:n]) == [int(x) for x in req.drafts] \
+                    and list(proposed[1][:n]) == list(range(-1, n - 1)):
+                self._update_stats(st, list(range(-1, n - 1)), set(range(req.num_accepted)), proposed[2])
         t = req.token_ids
         L = len(t)
         self._index_text(st, t)
@@ -144,8 +196,12 @@ class LookaheadProposer(Proposer):
             self._harvest(st, base, d, A)
             if st.levels.maxlen:
                 st.levels.append((base, d, A))
-        # Next Jacobi window, by absolute position: A[p - base] for the positions we drafted
-        # (A[a+1:], a = num_accepted), then older guesses beyond them, then pads.
+        self._shift_window(st, t, base, d, A)
+
+    def _shift_window(self, st: _State, t: np.ndarray, base: int, d: tuple, A: tuple | None) -> None:
+        """Next Jacobi window, by absolute position: A[p - base] for the positions we drafted
+        (A[a+1:], a = num_accepted), then older guesses beyond them, then pads."""
+        L = len(t)
         old, old_start = st.window, st.start
         w: list[int] = []
         for p in range(L, L + self.window):
@@ -209,21 +265,28 @@ class LookaheadProposer(Proposer):
                 st.pool.add(tuple(reversed(gram)))
 
     # ---- propose ---------------------------------------------------------------------------
-    def propose_one(self, st: _State, req: RequestStep, k: int) -> list[int]:
+    def propose_one(self, st: _State, req: RequestStep, k: int) -> "list[int] | DraftTree":
+        if self.tree and req.tree_ok:
+            return self._propose_tree(st, req, k)
         t = req.token_ids
         ctx = t[-max(self.pl_max, 1):].tolist()
-        chain: list[int] = []
-        while len(chain) < k:
-            ext = self._extend(st, t, (ctx + chain)[-len(ctx):], k - len(chain))
-            if not ext:
-                break
-            chain += ext
+        chain = self._chain(st, t, ctx, k)
         drafts = chain + st.window[len(chain):min(self.window, k)]
         if self.vocab_size is not None:
             for i, x in enumerate(drafts):
                 if not 0 <= x < self.vocab_size:
                     return drafts[:i]
         return drafts[:k]
+
+    def _chain(self, st: _State, t: np.ndarray, ctx: list[int], k: int) -> list[int]:
+        """The chain form's candidate: `_extend` repeated up to k tokens."""
+        chain: list[int] = []
+        while len(chain) < k:
+            ext = self._extend(st, t, (ctx + chain)[-len(ctx):], k - len(chain))
+            if not ext:
+                break
+            chain += ext
+        return chain
 
     def _extend(self, st: _State, t: np.ndarray, ctx: list[int], r: int) -> list[int]:
         ext = self._lookup(st, t, ctx, r, max(self.pl_min, 2))  # text match with >= 2 tokens of context
@@ -241,3 +304,213 @@ class LookaheadProposer(Proposer):
             if pos is not None:
                 return t[pos:pos + r].tolist()
         return []
+
+    # ---- tree form -------------------------------------------------------------------------
+    # Node classes (per-request acceptance statistics; a node's class is that of the first
+    # candidate inserted through it, in the insertion order of `_propose_tree`):
+    #   0 / 1: the chain form's chain (best candidate), depth 1 / deeper
+    #   2:     the Jacobi window after that chain (the chain form's draft tail)
+    #   3 / 4: the Jacobi window off the root (the paper's lookahead branch), depth 1 / deeper
+    #   5 + 2(r-1) / 6 + 2(r-1): r-th other candidate (r >= 1), depth 1 / deeper
+    _PRIOR = (0.6, 0.7, 0.3, 0.3, 0.5)   # prior acceptance rates of classes 0..4
+    _PRIOR_ALT = (0.3, 0.6)   # other candidates: rank-1 first token (halved per rank) / deeper
+    _PRIOR_WEIGHT = 2.0       # pseudo-counts behind the priors (forgetting never goes below them)
+    _DECAY = 0.97             # per-step forgetting of the counts
+    #: which Jacobi window branches a tree carries: "chain" (after the best candidate), "root"
+    #: (off the root), or "both" (each scored like any node; see the module docstring)
+    window_at = "both"
+    order = "score"
+    _ALT_EXTEND = 0
+    _WINDOW_FLOOR = 0.0
+    _TIE_MAIN = False
+
+    def _init_stats(self, st: _State) -> None:
+        c = 5 + 2 * (self.guesses + 1)
+        pri = list(self._PRIOR) + [0.0] * (c - 5)
+        for r in range(1, self.guesses + 2):
+            pri[3 + 2 * r] = self._PRIOR_ALT[0] * 0.5 ** (r - 1)
+            pri[4 + 2 * r] = self._PRIOR_ALT[1]
+        st.tries = [self._PRIOR_WEIGHT] * c
+        st.hits = [self._PRIOR_WEIGHT * q for q in pri]
+
+    def _observe_tree(self, st: _State, req: RequestStep) -> None:
+        """A verified tree: acceptance statistics, n-grams from every node, then the next window
+        along one lookahead branch (a chain, so exactly the chain form's update)."""
+        t = req.token_ids
+        L = len(t)
+        self._index_text(st, t)
+        d, P, A = tuple(int(x) for x in req.drafts), req.tree_parents, req.target_argmax
+        base = L - len(req.sampled)  # position of the root's children; row 0 predicts it
+        n = len(d)
+        proposed, st.proposed = st.proposed, None
+        if A is None or len(A) != n + 1 or len(P) != n:
+            st.levels.clear()
+            self._shift_window(st, t, base, (), None)
+            return
+        A, P = tuple(int(x) for x in A), [int(p) for p in P]
+        acc = [int(i) for i in req.accepted_nodes or ()]
+        on = set(acc)
+        if proposed is not None and list(proposed[0][:n]) == list(d) and list(proposed[1][:n]) == P:
+            self._update_stats(st, P, on, proposed[2])
+        # The lookahead branches: root paths spelling what we drafted from position base (a
+        # prefix when the tree was cut). The one sharing most nodes with the accepted path has
+        # its outputs conditioned on the most correct tokens; ties go to the first listed.
+        best: list[int] = []
+        if st.start == base and st.lpath:
+            first: dict[tuple, int] = {}
+            for i in range(n):
+                first.setdefault((P[i], d[i]), i)
+            best_key = None
+            for path in st.lpath:
+                nodes, r = [], -1
+                for x in path:
+                    c = first.get((r, x))
+                    if c is None:
+                        break
+                    nodes.append(c)
+                    r = c
+                key = (sum(1 for c in nodes if c in on), bool(nodes))
+                if best_key is None or key > best_key:
+                    best, best_key = nodes, key
+        dw = tuple(d[c] for c in best)
+        Aw = (A[0],) + tuple(A[1 + c] for c in best)
+        self._harvest_paths(st, t, base, d, P, A, on)
+        self._harvest(st, base, dw, Aw)        # the branch's Jacobi diagonals, as for a chain
+        if st.levels.maxlen:
+            st.levels.append((base, dw, Aw))
+        self._shift_window(st, t, base, dw, Aw)
+
+    def _update_stats(self, st: _State, P: list[int], on: set[int], cls: list[int]) -> None:
+        """Node i was reachable iff its parent was accepted (or is the root); count reach/accept
+        per class, with exponential forgetting down to the prior's weight. O(n + classes)."""
+        if st.tries is None:
+            self._init_stats(st)
+        lam, pw = self._DECAY, self._PRIOR_WEIGHT
+        tries, hits = st.tries, st.hits
+        for c in range(len(tries)):
+            if tries[c] > pw:
+                f = max(lam, pw / tries[c])
+                tries[c] *= f
+                hits[c] *= f
+        for i, p in enumerate(P):
+            if p < 0 or p in on:
+                tries[cls[i]] += 1.0
+                if i in on:
+                    hits[cls[i]] += 1.0
+
+    def _harvest_paths(self, st: _State, t: np.ndarray, base: int, d: tuple, P: list[int],
+                       A: tuple, skip: set[int]) -> None:
+        """Node i: the last N-1 tokens of root context + path(i), then A[1+i] (the target's token
+        after path(i)). Kept only if every link inside is genuine: a node's token must be the
+        target's output after its parent (d[j] == A[1+P[j]]) to link it to its parent; root
+        context is committed text. Accepted nodes are skipped (their n-grams are text n-grams).
+        Best nodes (low index) are added last, i.e. count as the most recent. O(n * N)."""
+        N, add = self.ngram, st.pool.add
+        tail = t[max(base - N, 0):base].tolist()   # tail[-1] is the root token
+        for i in range(len(d) - 1, -1, -1):
+            if i in skip:
+                continue
+            gram = [A[1 + i], d[i]]                  # newest first
+            cur = i
+            while len(gram) < N:
+                p = P[cur]
+                if d[cur] != A[p + 1]:
+                    break
+                if p < 0:
+                    need = N - len(gram)
+                    if need <= len(tail):
+                        gram.extend(tail[len(tail) - 1 - j] for j in range(need))
+                    break
+                gram.append(d[p])
+                cur = p
+            if len(gram) == N:
+                gram.reverse()
+                add(tuple(gram))
+
+    def _propose_tree(self, st: _State, req: RequestStep, k: int) -> "DraftTree | list[int]":
+        from vllm_spec_plugins.scorers.tree import DraftTree
+
+        if st.tries is None:
+            self._init_stats(st)
+        budget = min(self.tree_nodes, k)
+        t = req.token_ids
+        ctx = t[-max(self.pl_max, 1):].tolist()
+        chain = self._chain(st, t, ctx, budget)
+        win = st.window[:min(self.window, budget)]
+        alts = [list(g[1:budget + 1]) for g in reversed(st.pool.get(ctx[-1])[-self.guesses:])]
+        if self._ALT_EXTEND:
+            for a in alts:
+                while len(a) < self._ALT_EXTEND:
+                    g = st.pool.get(a[-1])
+                    if not g:
+                        break
+                    a += g[-1][1:self._ALT_EXTEND - len(a) + 1]
+        if self.pl_min == 1:
+            one = self._lookup(st, t, ctx, budget, 1)
+            if one:
+                alts.append(one)
+        q = [h / tr for h, tr in zip(st.hits, st.tries)]
+        if self._WINDOW_FLOOR:
+            for c in (2, 4):
+                q[c] = max(q[c], self._WINDOW_FLOOR)
+        V = self.vocab_size
+        toks: list[int] = []
+        pars: list[int] = []
+        cls: list[int] = []
+        score: list[float] = []
+        node_of: dict[tuple, int] = {}
+
+        depth: list[int] = []
+        rank: list[int] = []   # order="rank"/"bfs" only: best candidate through the node
+        WINDOW_RANK = 1 << 20  # window guesses rank after every candidate
+
+        def insert(path: list[int], rk: int, c0: int, c1: int, tail_from: int = 1 << 30) -> None:
+            par, s = -1, 1.0
+            for j, x in enumerate(path[:budget]):
+                if V is not None and not 0 <= x < V:
+                    break
+                r = rk if j < tail_from else WINDOW_RANK
+                node = node_of.get((par, x))
+                if node is None:
+                    c = c0 if j == 0 else (c1 if j < tail_from else 2)
+                    s *= q[c]   # estimated P(accepted) = P(parent accepted) * P(accept | reached)
+                    node = node_of[(par, x)] = len(toks)
+                    toks.append(x)
+                    pars.append(par)
+                    cls.append(c)
+                    score.append(s)
+                    depth.append(j + 1)
+                    rank.append(r)
+                else:
+                    s = score[node]
+                    rank[node] = min(rank[node], r)
+                par = node
+
+        lpaths = []
+        if self.window_at in ("root", "both") or not chain:
+            lpaths.append(win)
+        if chain and self.window_at in ("chain", "both"):
+            lpaths.insert(len(lpaths) if not self._TIE_MAIN else 0, chain + win[len(chain):])
+        if chain:
+            insert(chain + (win[len(chain):] if self.window_at != "root" else []), 0, 0, 1, len(chain))
+        if self.window_at != "chain" or not chain:
+            insert(win, WINDOW_RANK, 3, 4)
+        for r, a in enumerate(alts, 1):
+            c0 = 3 + 2 * min(r, self.guesses + 1)
+            insert(a, r, c0, c0 + 1)
+        st.lpath = lpaths
+        if not toks:
+            return []
+        # best first; a child's score is its parent's times q <= 1 (ties: older first), so the
+        # order is topological and every prefix is a tree
+        if self.order == "score":
+            key = lambda i: (-score[i], i)
+        elif self.order == "bfs":
+            key = lambda i: (depth[i], rank[i], i)
+        else:
+            key = lambda i: (rank[i], i)
+        order = sorted(range(len(toks)), key=key)[:budget]
+        new = {old: j for j, old in enumerate(order)}
+        tree = DraftTree([toks[i] for i in order], [new[pars[i]] if pars[i] >= 0 else -1 for i in order])
+        st.proposed = (tree.tokens, tree.parents, [cls[i] for i in order])
+        return tree

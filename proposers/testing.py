@@ -276,3 +276,179 @@ class OracleTreeProposer(OracleProposer):
             tokens.append(t)
             parents.append(p)
         return DraftTree(tokens, parents)
+
+
+# ---------------------------------------------------------------------------------------------
+# Draft trees: a tree-verifying toy engine (chains go through `ToyEngine`'s chain path unchanged)
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_chain(parents: Sequence[int]) -> bool:
+    return all(p == i - 1 for i, p in enumerate(parents))
+
+
+class TreeToyEngine(ToyEngine):
+    """`ToyEngine` that also verifies `DraftTree`s, the way the plugin's worker does.
+
+    A tree is greedily verified in one step: row 0 = the target's token after the prefix, row
+    1 + i = its token after the prefix + path(node i); the accepted path is the longest root path
+    whose tokens match (first child on duplicate siblings). The next `RequestStep` then carries
+    `drafts` = tree tokens, `tree_parents`, `accepted_nodes` and one `target_argmax` entry per row.
+    As in the plugin: a request with `tree_ok` False gets its tree cut to the first root-to-leaf
+    path (node 0, its first child, ...); a tree that is a chain (after `truncate`) is verified as
+    a chain (no `tree_parents`); `truncate(req_id, num_nodes) -> m` lets a test play the scheduler
+    cutting a tree to its first m nodes. Chains are verified exactly as `ToyEngine` does.
+    """
+
+    def __init__(self, proposer: Proposer, target_next: TargetFn, k: int | None = None,
+                 vocab_size: int | None = None, collect_argmax: bool = True,
+                 tree_ok: bool | Callable[[str], bool] = True,
+                 truncate: Callable[[str, int], int] | None = None, max_tree_nodes: int | None = None):
+        super().__init__(proposer, target_next, k, vocab_size, collect_argmax)
+        self.tree_ok = tree_ok
+        self.truncate = truncate
+        self.max_tree_nodes = max_tree_nodes
+        self.tree_steps = 0                   # verify steps that verified a (non-chain) tree
+        self.proposed_sizes: list[int] = []   # node count of every tree the proposer returned
+
+    def _tree_ok(self, rid: str) -> bool:
+        return self.tree_ok(rid) if callable(self.tree_ok) else bool(self.tree_ok)
+
+    def step(self, order: Iterable[str] | None = None) -> list:
+        rows: list[RequestStep] = []
+        order = list(self.reqs) if order is None else list(order)
+        assert sorted(order) == sorted(self.reqs), "order must list every running request once"
+        for rid in order:
+            r = self.reqs[rid]
+            prefix = tuple(r.tokens)
+            d = r.drafts
+            parents = accepted_nodes = None
+            if isinstance(d, tuple):                       # (tokens, parents): a tree
+                drafts, parents = list(d[0]), list(d[1])
+                paths: list[tuple] = []
+                for tok, p in zip(drafts, parents):
+                    paths.append((paths[p] if p >= 0 else ()) + (tok,))
+                argmax = [self.target_next(prefix)] + [self.target_next(prefix + pt) for pt in paths]
+                children: list[list[int]] = [[] for _ in range(len(drafts) + 1)]
+                for i, p in enumerate(parents):
+                    children[p + 1].append(i)
+                row, accepted_nodes = 0, []
+                while True:
+                    nxt = next((c for c in children[row] if drafts[c] == argmax[row]), None)
+                    if nxt is None:
+                        break
+                    accepted_nodes.append(nxt)
+                    row = nxt + 1
+                sampled = [drafts[i] for i in accepted_nodes] + [argmax[row]]
+                a = len(accepted_nodes)
+                self.tree_steps += 1
+            else:
+                drafts = d or []
+                argmax = [self.target_next(prefix + tuple(drafts[:i])) for i in range(len(drafts) + 1)]
+                a = 0
+                while a < len(drafts) and drafts[a] == argmax[a]:
+                    a += 1
+                sampled = drafts[:a] + [argmax[a]]
+            if r.drafts is not None:
+                r.accepted.append(a)
+            r.steps += 1
+            sampled = sampled[:r.max_tokens - len(r.out)]
+            r.tokens += sampled
+            r.out += sampled
+            if len(r.out) >= r.max_tokens:
+                self.done[rid] = self.reqs.pop(rid)
+                self._finished.add(rid)
+                continue
+            n = len(r.tokens)
+            r.buf[n - len(sampled):n] = sampled
+            view = r.buf[:n]
+            view.flags.writeable = False
+            rows.append(RequestStep(rid, view, sampled, list(drafts), argmax if self.collect_argmax else None,
+                                    parents, accepted_nodes, self._tree_ok(rid)))
+        ctx = StepContext(rows, self._finished, self._preempted, self.k)
+        self._finished, self._preempted = set(), set()
+        out = self.proposer.propose(ctx)
+        assert len(out) == len(rows)
+        for row, d in zip(rows, out):
+            if hasattr(d, "parents"):                      # a DraftTree
+                toks, par = [int(x) for x in d.tokens], [int(p) for p in d.parents]
+                assert len(toks) == len(par) and all(-1 <= p < i for i, p in enumerate(par)), (toks, par)
+                self.proposed_sizes.append(len(toks))
+                assert len(toks) <= self.k, f"{len(toks)} tree nodes > k={self.k}"
+                if self.max_tree_nodes is not None:
+                    assert len(toks) <= self.max_tree_nodes, f"{len(toks)} > {self.max_tree_nodes} nodes"
+                if not row.tree_ok:                        # the plugin cuts it to its first path
+                    chain, cur = [], -1
+                    while (nxt := next((i for i, p in enumerate(par) if p == cur), None)) is not None:
+                        chain.append(toks[nxt])
+                        cur = nxt
+                    toks, par = chain, list(range(-1, len(chain) - 1))
+                elif self.truncate is not None:
+                    m = max(0, int(self.truncate(row.req_id, len(toks))))
+                    toks, par = toks[:m], par[:m]
+                stored = list(toks) if _is_chain(par) else (toks, par)
+            else:
+                toks = [int(x) for x in d]
+                assert len(toks) <= self.k, f"{len(toks)} drafts > k={self.k}"
+                stored = toks
+            if self.vocab_size is not None:
+                assert all(0 <= x < self.vocab_size for x in toks), toks
+            self.reqs[row.req_id].drafts = stored
+        return out
+
+
+def simulate_tree(proposer: Proposer, target_next: TargetFn, prompt: list[int], max_tokens: int, *,
+                  k: int | None = None, vocab_size: int | None = None, req_id: str = "sim",
+                  tree_ok: bool = True, max_tree_nodes: int | None = None,
+                  step_times: list[float] | None = None) -> tuple[list[int], int, list[int]]:
+    """`simulate` on a `TreeToyEngine` (the proposer may return trees). `step_times`, when
+    given, receives the proposer's wall time of every step (seconds)."""
+    import time
+
+    eng = TreeToyEngine(proposer, target_next, k, vocab_size, tree_ok=tree_ok, max_tree_nodes=max_tree_nodes)
+    if step_times is not None:
+        inner = proposer.propose
+
+        def timed(ctx):
+            t0 = time.perf_counter()
+            out = inner(ctx)
+            step_times.append(time.perf_counter() - t0)
+            return out
+
+        proposer.propose = timed
+    try:
+        eng.add(req_id, prompt, max_tokens)
+        while eng.reqs:
+            eng.step()
+        eng.flush()
+    finally:
+        if step_times is not None:
+            del proposer.propose
+    r = eng.done[req_id]
+    return r.out, r.steps, r.accepted
+
+
+def pair_table_target(vocab_size: int = 50, seed: int = 0, noise: float = 0.1, skew: float = 0.0) -> TargetFn:
+    """A 'noisy' toy target: next = T[t[-2], t[-1]] for a random table T (so the last token alone
+    does not determine the next one: the pool must learn which of its candidates applies), except
+    for a pseudo-random `noise` fraction of (position, last two tokens), where the next token is
+    a hash of those (deterministic; unpredictable unless the last two tokens are right). `skew`:
+    that fraction of pairs (a, b) map to g[b] instead (a mostly-last-token target). Without
+    the noise the text falls into a short cycle (a random map on vocab^2 pairs) that prompt
+    lookup alone handles."""
+    rng = np.random.default_rng(seed)
+    T = rng.integers(0, vocab_size, (vocab_size, vocab_size))
+    if skew:   # a `skew` fraction of pairs (a, b) follow g[b]: mostly a function of the last token
+        T = np.where(rng.random(T.shape) < skew, rng.integers(0, vocab_size, vocab_size)[None, :], T)
+    T = T.tolist()
+    thresh = int(noise * 2 ** 32)
+
+    def f(t: tuple) -> int:
+        h = (len(t) * 0x9E3779B1 + seed * 0x85EBCA77 + t[-1] * 0x27D4EB2F + t[-2] * 0x165667B1) & 0xFFFFFFFF
+        h = ((h ^ (h >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
+        h ^= h >> 12
+        if h < thresh:
+            return (h >> 7) % vocab_size
+        return T[t[-2]][t[-1]]
+
+    return f

@@ -48,3 +48,23 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
     # per-request state released: only the one trailing probe request may remain
     for worker in res["plugin_state"]:
         assert worker["requests"] <= 1, worker
+
+
+def test_preemption_and_aborts_keep_output_and_free_state(default_model, heldout_prompts, plain):
+    """Small KV cache (forced preemption) + two requests aborted mid-speculation: the others
+    still equal plain vLLM and no per-request state is left behind."""
+    prompts = heldout_prompts[:8]
+    spec = {"method": "lookahead", "num_speculative_tokens": 4}
+    res = run_isolated(_job(default_model, prompts, spec, 8, report_plugin_state=True,
+                            abort={"after_steps": 6, "indices": [1, 5]},
+                            llm_kwargs={"enforce_eager": True, "num_gpu_blocks_override": 12}))
+    got = res["groups"]["all"]
+    assert got["preemptions"] > 0, "the small KV cache did not force a preemption"
+    for i in range(8):
+        if i in (1, 5):
+            assert len(got["outputs"][i][0]) < MAX_TOKENS      # really aborted mid-way
+            assert got["outputs"][i][0] == plain["outputs"][i][0][:len(got["outputs"][i][0])]
+        else:
+            assert got["outputs"][i] == plain["outputs"][i], f"prompt {i} differs"
+    for worker in res["plugin_state"]:
+        assert worker["requests"] <= 1, worker

@@ -51,6 +51,8 @@ def test_oracle_tree_accepts_true_branch(batch_size, n_prompts, kv_blocks, defau
                             llm_kwargs=extra, report_plugin_state=True))
     got = res["groups"]["all"]
     _check(got, plain, n_prompts)
+    if kv_blocks:
+        assert got["preemptions"] > 0, "the small KV cache did not force a preemption"
     # every drafting step accepted exactly the hidden branch: depth 1..DEPTH always, deeper never
     per_pos = got["accepted_per_pos"]
     assert got["drafts"] > 0

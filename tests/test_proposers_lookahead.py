@@ -293,3 +293,219 @@ def test_valid_edge_configs():
     assert out == greedy(fib(50), [1, 1], 100)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LookaheadProposer(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# tree form (full lookahead: verification branch + Jacobi window in one draft tree)
+# ---------------------------------------------------------------------------------------------
+
+from vllm_spec_plugins.proposers.testing import (OracleTreeProposer, TreeToyEngine, pair_table_target,  # noqa: E402
+                                                  simulate_tree)
+from vllm_spec_plugins.scorers import DraftTree  # noqa: E402
+
+
+def _tree_key(d):
+    return (tuple(d.tokens), tuple(d.parents)) if hasattr(d, "parents") else tuple(d)
+
+
+class _Spy(LookaheadProposer):
+    """Checks every RequestStep the tree engine reports against the target, then proposes."""
+
+    def __init__(self, f, *a, **kw):
+        super().__init__(*a, **kw)
+        self.f, self.checked = f, 0
+
+    def observe(self, st, req):
+        if req.tree_parents is not None:
+            d, P, A = req.drafts, req.tree_parents, req.target_argmax
+            assert len(P) == len(d) and len(A) == len(d) + 1
+            prefix = tuple(req.token_ids[:len(req.token_ids) - len(req.sampled)].tolist())
+            paths = []
+            for x, p in zip(d, P):
+                paths.append((paths[p] if p >= 0 else ()) + (x,))
+            assert A[0] == self.f(prefix) and all(A[1 + i] == self.f(prefix + pt) for i, pt in enumerate(paths))
+            acc = req.accepted_nodes
+            assert acc == sorted(acc) and all(P[b] == a for a, b in zip([-1] + acc, acc))  # a root path
+            assert req.sampled == [d[i] for i in acc] + [A[acc[-1] + 1 if acc else 0]]
+            assert req.num_accepted == len(acc)
+            self.checked += 1
+        super().observe(st, req)
+
+
+def test_tree_engine_reports_and_oracle_tree():
+    f = fib(50)
+    p = _Spy(f, 8, window=6, ngram=3, tree=True)
+    eng = TreeToyEngine(p, f, vocab_size=50)
+    eng.add("r", [1, 1], 300)
+    while eng.reqs:
+        eng.step()
+    assert eng.done["r"].out == greedy(f, [1, 1], 300) and p.checked > 50 and eng.tree_steps > 50
+    # a hidden true branch of depth 3 in random 8-node trees is accepted whole every step (a
+    # random distractor below it may happen to be right too); an adversarial tree never
+    ref = greedy(f, [4, 9], 200)
+    out, steps, acc = simulate_tree(OracleTreeProposer(8, {tuple([4, 9]): ref}, 8, 3, vocab_size=50), f, [4, 9], 200)
+    assert out == ref and all(a >= 3 for a in acc[:-1])
+    out, steps, acc = simulate_tree(OracleTreeProposer(8, {tuple([4, 9]): ref}, 8, 3, vocab_size=50,
+                                                       adversarial=True), f, [4, 9], 200)
+    assert out == ref and sum(acc) == 0
+
+
+TREE_CFGS = [dict(k=4, window=4, ngram=3, guesses=4, tree_nodes=4), dict(k=8, window=4, ngram=4, guesses=8, tree_nodes=6),
+             dict(k=8, window=8, ngram=2, guesses=2, tree_nodes=8), dict(k=6, window=1, ngram=5, guesses=7, tree_nodes=3)]
+
+
+@pytest.mark.parametrize("cfg", TREE_CFGS)
+def test_tree_drafts_bounded_valid_lossless(cfg):
+    cfg = dict(cfg)
+    k, tn = cfg.pop("k"), cfg["tree_nodes"]
+    lf, lprompt = lcg_case()
+    for f, prompt, V, n in [(fib(50), [3, 7], 50, 250), (lf, lprompt, 1024, 150),
+                            (pair_table_target(50, 1, 0.1), list(range(20)), 50, 200)]:
+        p = LookaheadProposer(k, tree=True, vocab_size=V, **cfg)
+        eng = TreeToyEngine(p, f, vocab_size=V, max_tree_nodes=tn)   # asserts <= k, <= tn, in vocab
+        eng.add("r", prompt, n)
+        while eng.reqs:
+            for d in eng.step():
+                assert isinstance(d, (DraftTree, list))
+                if isinstance(d, DraftTree):
+                    assert 0 < len(d) <= tn
+                    DraftTree(d.tokens, d.parents)                 # topological, parents < i
+                    sib = [(p_, x) for x, p_ in zip(d.tokens, d.parents)]
+                    assert len(set(sib)) == len(sib)               # a trie: no duplicate siblings
+        assert eng.done["r"].out == greedy(f, prompt, n)
+        assert eng.tree_steps > 0 and max(eng.proposed_sizes) <= tn
+
+
+def test_tree_k_shrinks_and_tree_nodes_default():
+    p = LookaheadProposer(6, tree=True)
+    assert p.tree_nodes == 6 and LookaheadProposer(6, tree=True, tree_nodes=0).tree_nodes == 6
+    eng = TreeToyEngine(p, fib(50), k=2)       # the engine's per-step budget is below tree_nodes
+    eng.add("r", [1, 1], 100)
+    while eng.reqs:
+        assert all(len(d) <= 2 for d in eng.step())
+
+
+def test_tree_false_and_chain_only_requests_keep_chain_behaviour():
+    f, prompt = fib(50), [2, 9]
+    runs = []
+    for kw, tree_ok in [({}, True), (dict(tree=False), True), (dict(tree=True), False)]:
+        eng = TreeToyEngine(LookaheadProposer(5, window=4, ngram=3, **kw), f, tree_ok=tree_ok)
+        eng.add("r", prompt, 200)
+        drafts = []
+        while eng.reqs:
+            drafts += [list(d) for d in eng.step()]          # all chains (lists)
+        runs.append(drafts)
+        assert eng.tree_steps == 0
+    eng = ToyEngine(LookaheadProposer(5, window=4, ngram=3), f)   # the original chain engine
+    eng.add("r", prompt, 200)
+    drafts = []
+    while eng.reqs:
+        drafts += eng.step()
+    assert runs[0] == runs[1] == runs[2] == drafts
+    # mixed batch: a chain-only request next to tree requests gets chains, the others trees
+    p = LookaheadProposer(6, tree=True)
+    eng = TreeToyEngine(p, f, tree_ok=lambda rid: rid != "chain")
+    for rid in ("a", "chain", "b"):
+        eng.add(rid, prompt, 100)
+    for _ in range(5):
+        order = list(eng.reqs)
+        for rid, d in zip(order, eng.step(order)):
+            assert isinstance(d, list) if rid == "chain" else isinstance(d, DraftTree)
+
+
+def test_tree_truncated_by_scheduler_and_cut_to_chain():
+    # the scheduler keeps a prefix of the nodes (sometimes a chain, sometimes nothing)
+    for f, prompt, V in [(fib(50), [1, 1], 50), (pair_table_target(50, 2, 0.1), list(range(16)), 50)]:
+        rnd = random.Random(0)
+        p = LookaheadProposer(8, window=6, ngram=3, tree=True, vocab_size=V)
+        eng = TreeToyEngine(p, f, vocab_size=V, truncate=lambda rid, n: rnd.randint(0, n))
+        eng.add("r", prompt, 300)
+        while eng.reqs:
+            eng.step()
+        assert eng.done["r"].out == greedy(f, prompt, 300) and eng.tree_steps > 10
+
+
+@pytest.mark.parametrize("ngram", [2, 3, 4])
+def test_tree_ngrams_are_genuine(ngram):
+    # As test_jacobi_ngrams_are_aligned, for trees: with a last-token target every harvested
+    # n-gram (window diagonals and tree paths with genuine links) must follow f.
+    f, prompt = lcg_case()
+    p = LookaheadProposer(8, ngram=ngram, window=5, tree=True)
+    eng = TreeToyEngine(p, f)
+    eng.add("r", prompt, 150)
+    checked = 0
+    while eng.reqs:
+        eng.step()
+        st = p.states.get("r")
+        for g in (st.pool._lru if st else ()):
+            if g[0] in prompt and g[:2] == tuple(prompt[prompt.index(g[0]):][:2]):
+                continue                    # an n-gram of the (shuffled) prompt text itself
+            assert all(f(g[i:i + 1]) == g[i + 1] for i in range(ngram - 1)), g
+            checked += 1
+    assert sum(eng.done["r"].accepted) > 20 and checked > 100
+    assert eng.tree_steps > 3          # (here most trees are a chain: the estimator prefers it)
+
+
+def test_tree_harvest_keeps_only_genuine_links():
+    from vllm_spec_plugins.proposers.base import RequestStep, StepContext
+    p = LookaheadProposer(4, ngram=3, tree=True)
+    text = [1, 2, 3, 10, 11]
+    p.propose(StepContext([RequestStep("r", np.array(text), [11], [])]))
+    # verified tree: 20 -> 21 and 30 -> 31 off the root (11); target: 11 -> 30 -> 31 -> 32 and,
+    # off the accepted path, 20 -> 21 -> 22
+    d, P = [20, 21, 30, 31], [-1, 0, -1, 2]
+    A = [30, 21, 22, 31, 32]
+    t = np.array(text + [30, 31, 32])
+    p.observe(p.states["r"], RequestStep("r", t, [30, 31, 32], d, A, P, [2, 3]))
+    grams = set(p.states["r"].pool._lru)
+    assert (20, 21, 22) in grams            # 21 is the target's token after 20: genuine
+    assert (11, 20, 21) not in grams        # 20 is not the target's token after 11
+    assert {(11, 30, 31), (30, 31, 32)} <= grams   # text
+
+
+def _solo_tree(prompt, steps, f):
+    eng = TreeToyEngine(LookaheadProposer(6, ngram=3, tree=True), f)
+    eng.add("x", prompt, 10_000)
+    return [_tree_key(eng.step()[0]) for _ in range(steps)]
+
+
+def test_tree_state_isolation_reorder_finish_preempt():
+    f = pair_table_target(50, 3, 0.1)
+    pa, pb, pc = list(range(10)), list(range(10, 30)), [7, 7, 7]
+    solo_b = _solo_tree(pb, 100, f)
+    p = LookaheadProposer(6, ngram=3, tree=True)
+    eng = TreeToyEngine(p, f)
+    eng.add("a", pa, 60)                  # finishes by itself (max_tokens) mid-run
+    eng.add("b", pb, 10_000)
+    eng.add("c", pc, 10_000)
+    got_b = []
+    a_done = None
+    for step in range(100):
+        if step == 30:
+            eng.preempt("c")              # c's tree is dropped in flight
+        if step == 50:
+            eng.resume("c")
+        order = list(eng.reqs)[::(-1) ** step]
+        had_a = "a" in eng.reqs
+        for rid, d in zip([r for r in order if r in eng.reqs], eng.step(order)):
+            if rid == "b":
+                got_b.append(_tree_key(d))
+        if had_a and "a" not in eng.reqs:
+            a_done = step                 # b's tree was pending while a finished
+            assert "a" in eng.done
+        if a_done is not None and step == a_done + 1:
+            assert "a" not in p.states    # released on the next context
+    assert a_done is not None and eng.done["a"].out == greedy(f, pa, 60)
+    assert got_b == solo_b and any(len(x) == 2 and isinstance(x[0], tuple) for x in got_b)  # trees
+    c = eng.reqs["c"]
+    assert c.out == greedy(f, pc, len(c.out))
+
+
+def test_tree_validation():
+    with pytest.raises(ValueError, match="tree_nodes"):
+        LookaheadProposer(4, tree=True, tree_nodes=5)
+    with pytest.raises(ValueError, match="tree_nodes"):
+        LookaheadProposer(4, tree=True, tree_nodes=-1)
+    with pytest.raises(ValueError, match="tree"):
+        LookaheadProposer(4, tree="yes")
+    LookaheadProposer(1, window=1, ngram=2, guesses=1, pool_cap=1, tree=True, tree_nodes=1)

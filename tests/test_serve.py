@@ -70,9 +70,19 @@ def test_serve_yaml_dropin(config, default_model, heldout_prompts, tmp_path):
                   if line.startswith("vllm:spec_decode_num_draft_tokens_total")]
         assert drafts and sum(drafts) > 0, "no drafts counted in vllm:spec_decode_* metrics"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
         log.close()
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (API server + engine core), SIGKILL if it hangs."""
+    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

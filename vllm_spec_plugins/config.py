@@ -35,6 +35,8 @@ METHODS: dict[str, dict[str, Key]] = {
         "pool_cap": Key(4096, 16, 1 << 20, int, "max n-grams per request (LRU eviction)"),
         "prompt_lookup_min": Key(1, 1, 16, int, "prompt-lookup fallback: min match length"),
         "prompt_lookup_max": Key(3, 1, 16, int, "prompt-lookup fallback: max match length"),
+        "tree": Key(False, kind=bool, help="full form: verify pool candidates + Jacobi window as one tree"),
+        "tree_nodes": Key(0, 0, 64, int, "tree node budget (0 = num_speculative_tokens)"),
     },
     # Test proposers: drafts from a reference file {prompt ids -> plain greedy output ids}.
     "oracle": {
@@ -118,6 +120,8 @@ def validate(spec: dict) -> dict:
             continue
         if key.kind is int and (isinstance(v, bool) or not isinstance(v, int)):
             raise ValueError(f"speculative_config.{name}={v!r} must be an integer ({key.help})")
+        if key.kind is bool and not isinstance(v, bool):
+            raise ValueError(f"speculative_config.{name}={v!r} must be true or false ({key.help})")
         if key.kind is str and not isinstance(v, str):
             raise ValueError(f"speculative_config.{name}={v!r} must be a string ({key.help})")
         if key.lo is not None and not (key.lo <= v <= key.hi):
@@ -126,6 +130,10 @@ def validate(spec: dict) -> dict:
         out[name] = v
     if method == "lookahead":
         out["window"] = out["window"] or out["num_speculative_tokens"]
+        out["tree_nodes"] = out["tree_nodes"] or out["num_speculative_tokens"]
+        if out["tree_nodes"] > out["num_speculative_tokens"]:
+            raise ValueError(f"speculative_config.tree_nodes={out['tree_nodes']} must be <= "
+                             f"num_speculative_tokens={out['num_speculative_tokens']} (the scheduler's draft budget)")
         if out["window"] > out["num_speculative_tokens"]:
             raise ValueError(f"speculative_config.window={out['window']} must be <= "
                              f"num_speculative_tokens={out['num_speculative_tokens']}")
@@ -134,7 +142,7 @@ def validate(spec: dict) -> dict:
                              f"num_speculative_tokens + 1 = {out['num_speculative_tokens'] + 1}")
         if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
             raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
-    if out.get("tree_nodes") and not out["tree_depth"] <= out["tree_nodes"] <= out["num_speculative_tokens"]:
+    if method in ("oracle", "adversarial") and out["tree_nodes"] and not out["tree_depth"] <= out["tree_nodes"] <= out["num_speculative_tokens"]:
         raise ValueError("speculative_config: need tree_depth <= tree_nodes <= num_speculative_tokens")
     if "references" in out:
         _check_readable(out["references"], "references")

@@ -19,6 +19,8 @@ def build_proposer(params: dict) -> Proposer:
     vocab = p.pop("vocab_size", None)
     if method == "lookahead":
         from vllm_spec_plugins.proposers.lookahead import LookaheadProposer
+        if not p.get("tree"):
+            p.pop("tree", None), p.pop("tree_nodes", None)
         return LookaheadProposer(k, vocab_size=vocab, **p)
     if method in ("oracle", "adversarial"):
         from vllm_spec_plugins.proposers import testing

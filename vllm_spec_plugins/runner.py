@@ -24,8 +24,8 @@ ENGINE_ENV = {
 
 def spec_metrics(llm) -> dict:
     """vLLM's spec-decode counters (cumulative since engine start)."""
-    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}
-    names = {"vllm:spec_decode_num_drafts": "drafts",
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "preemptions": 0, "accepted_per_pos": []}
+    names = {"vllm:num_preemptions": "preemptions", "vllm:spec_decode_num_drafts": "drafts",
              "vllm:spec_decode_num_draft_tokens": "draft_tokens",
              "vllm:spec_decode_num_accepted_tokens": "accepted"}
     for m in llm.get_metrics():
@@ -41,7 +41,8 @@ def spec_metrics(llm) -> dict:
 def _diff(a: dict, b: dict) -> dict:
     per_pos = [y - (a["accepted_per_pos"][i] if i < len(a["accepted_per_pos"]) else 0)
                for i, y in enumerate(b["accepted_per_pos"])]
-    return {k: b[k] - a[k] for k in ("drafts", "draft_tokens", "accepted")} | {"accepted_per_pos": per_pos}
+    return {k: b[k] - a[k] for k in ("drafts", "draft_tokens", "accepted", "preemptions")} | {
+        "accepted_per_pos": per_pos}
 
 
 def to_token_prompts(tokenizer, rows: list) -> list[list[int]]:
@@ -89,9 +90,12 @@ def run(job: dict) -> dict:
         per_request = job.get("per_request_params")
         m0 = spec_metrics(llm)
         t0 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                            [SamplingParams(**(sp | pr)) for pr in per_request] if per_request else params,
-                            use_tqdm=False)
+        if job.get("abort"):
+            outs = _generate_with_aborts(llm, prompts, params, **job["abort"])
+        else:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                [SamplingParams(**(sp | pr)) for pr in per_request] if per_request else params,
+                                use_tqdm=False)
         dt = time.perf_counter() - t0
         m = _diff(m0, spec_metrics(llm))
         token_ids = [[list(c.token_ids) for c in o.outputs] for o in outs]
@@ -114,6 +118,24 @@ def run(job: dict) -> dict:
         from vllm_spec_plugins.proposer import plugin_state_summary
         result["plugin_state"] = llm.collective_rpc(plugin_state_summary)
     return result
+
+
+def _generate_with_aborts(llm, prompts, params, after_steps: int, indices: list[int]):
+    """Step the engine by hand and abort requests `indices` after `after_steps` steps (mid
+    speculation). Aborted requests come back with whatever they had produced."""
+    from vllm.inputs import TokensPrompt
+    eng = llm.llm_engine
+    ids = [f"req-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
+    last, steps = {}, 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            last[o.request_id] = o
+        steps += 1
+        if steps == after_steps:
+            eng.abort_request([ids[i] for i in indices])
+    return [last[rid] for rid in ids]
 
 
 def run_isolated(job: dict, env: dict | None = None, timeout: float = 1800) -> dict:

@@ -320,12 +320,13 @@ def build_tree_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor | Sequenc
 
 # One-entry memo so callers that pass no plan still build it once per step, not once per layer.
 # The tree_masks dict is held (so its id cannot be reused); host metadata, the masks' identity
-# (data_ptr, version) and the block table rows are compared on every hit.
+# (data_ptr) and the block table rows are compared on every hit.
 _memo: dict = {}
 
 
 def _masks_key(tree_masks: Mapping[int, torch.Tensor]) -> tuple:
-    return tuple((r, tuple(m.shape), m.data_ptr(), m._version) for r, m in tree_masks.items())
+    # (no m._version: masks built under torch.inference_mode() have none; masks are never mutated)
+    return tuple((r, tuple(m.shape), m.data_ptr()) for r, m in tree_masks.items())
 
 
 def _memo_plan(block_tables, seq_lens, query_start_loc, tree_masks, block_size, device):

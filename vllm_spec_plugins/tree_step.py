@@ -30,6 +30,7 @@ class TreeStep:
     accepted: dict[int, list[int]] = field(default_factory=dict)
     kv_caches: dict[int, tuple] = field(default_factory=dict)   # data_ptr -> (K, V, isa) per layer
     slot_mapping: torch.Tensor | None = None
+    plan: object = None                            # tree_attention plan, built once per step
 
 
 _current: TreeStep | None = None
@@ -78,7 +79,7 @@ def begin(runner, scheduler_output, pending: dict[str, DraftTree]) -> None:
 
 def attend(impl, layer, query, kv_cache, attn_metadata, output) -> None:
     """Recompute the tree rows of one attention layer with the tree mask (CPU paged layout)."""
-    from vllm_spec_plugins.tree_attention import cpu_tree_attention
+    from vllm_spec_plugins.tree_attention import build_tree_plan, cpu_tree_attention
     step = _current
     if impl.sliding_window not in (None, -1) or impl.logits_soft_cap not in (None, 0) or impl.sinks is not None:
         raise NotImplementedError("tree verification does not support sliding-window, soft-capped "
@@ -86,9 +87,12 @@ def attend(impl, layer, query, kv_cache, attn_metadata, output) -> None:
     nb, h, bs, d2 = kv_cache.shape
     key_cache, value_cache = kv_cache.view(nb, h, bs * 2, d2 // 2).chunk(2, dim=2)  # as vLLM does
     n = attn_metadata.num_actual_tokens
+    if step.plan is None:      # same metadata for every layer of the step
+        step.plan = build_tree_plan(attn_metadata.block_table, attn_metadata.seq_lens,
+                                    attn_metadata.query_start_loc, step.masks, bs, query.device)
     cpu_tree_attention(query[:n], key_cache, value_cache, attn_metadata.block_table,
                        attn_metadata.seq_lens, attn_metadata.query_start_loc, step.masks,
-                       impl.scale, output[:n], isa=layer.isa)
+                       impl.scale, output[:n], isa=layer.isa, plan=step.plan)
     step.kv_caches.setdefault(kv_cache.data_ptr(), (key_cache, value_cache, layer.isa))
     if step.slot_mapping is None:
         step.slot_mapping = attn_metadata.slot_mapping

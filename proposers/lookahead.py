@@ -1,4 +1,5 @@
-"""Lookahead decoding (Fu et al. 2024, hao-ai-lab/LookaheadDecoding) in chain form.
+"""Lookahead decoding (Fu et al. 2024, hao-ai-lab/LookaheadDecoding): chain form, and the full
+(tree) form below.
 
 The paper runs a 2-D Jacobi window (lookahead branch) and n-gram verification in one forward
 pass. Here the engine verifies a single draft chain per request and hands back the target's
@@ -18,26 +19,34 @@ argmax at every verified position, which is one Jacobi iteration of whatever we 
 All per-step work is O(k * ngram + new tokens); memory per request is bounded by `pool_cap`.
 
 Full form (`tree=True`, Fu et al. 2024 section 3): where the engine can verify a draft tree for
-a request (`req.tree_ok`), each step drafts one `DraftTree` of at most `tree_nodes` nodes that
-carries both of the paper's branches, so one target pass verifies and iterates:
+a request (`req.tree_ok`; else the chain form's chain), each step drafts one `DraftTree` of at
+most min(tree_nodes, k) nodes carrying both of the paper's branches, so one target pass verifies
+and iterates:
 
-* verification branch: up to G candidates -- the chain form's chain (prompt lookup / pool,
-  extended up to k), the other pool n-grams keyed on the last token (most recent first), the
-  1-token prompt-lookup match -- merged as a trie (shared prefixes share nodes);
-* lookahead branch: the Jacobi window hanging off the root as a chain (W guesses), sharing nodes
-  with a candidate whose prefix equals it.
-Node order = best first, so any prefix (the node cap, the scheduler's cut) is a sensible tree:
-each node scores max over the candidates through it of rank_decay**rank * depth_decay**(depth-1)
-(the window as a candidate of weight `window_weight`), sorted descending (ties: shallower first).
-A child never outscores its parent, so the order is topological. See `_propose_tree`.
-Harvest from a verified tree (O(tree size * N)): the window chain gives the chain form's
-diagonal n-grams and the next Jacobi window (by absolute position, as for a chain); every
-other node i gives the n-gram "last N-1 tokens of root context + path(i)" + the target's token
-after path(i) (row 1+i), kept only when every link inside it is genuine (the child token is the
-target's own output after its parent in this pass): a rejected node's own token is not.
+* verification branch: the chain form's chain (prompt lookup / pool, extended up to the budget),
+  the pool's other n-grams keyed on the last token (most recent first, up to G) and the 1-token
+  prompt-lookup match, merged as a trie (shared prefixes share nodes);
+* lookahead branch: the Jacobi window (W guesses) as a chain off the root, sharing nodes with a
+  candidate that spells the same prefix (`window_at="root"`, the default). Alternatives, kept
+  for measurement: "chain" hangs it after the best candidate as the chain form drafts it (chain
+  + window[len(chain):]), "both" carries both copies.
+
+Node order (what the node cap and the scheduler's prefix cut keep): every node is scored with
+its estimated probability of acceptance, P(parent accepted) * P(accepted | parent accepted),
+the second factor per node class (source of the token, whether it is where its candidate
+leaves a shared prefix, depth), learned per request from which nodes of the verified trees were
+reachable and accepted (decayed counts over priors). Best first; a child never outscores its
+parent and ties go to the older node, so the order is topological and every prefix is a tree.
+
+Harvest from a verified tree (O(tree size * N)): the lookahead branch that shares most nodes
+with the accepted path gives the chain form's diagonal n-grams and the next Jacobi window (by
+absolute position); every other node i gives "last N-1 tokens of root context + path(i)" + the
+target's token after path(i) (row 1+i), kept only if every link inside is genuine (the child
+token is the target's own output after its parent in this pass).
 """
 from __future__ import annotations
 
+import heapq
 import sys
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
@@ -101,7 +110,7 @@ class NGramPool:
 
 class _State:
     __slots__ = ("pool", "index", "seen", "window", "start", "levels", "rng", "lpath", "proposed", "tries",
-                 "hits")
+                 "hits", "touched", "step")
 
     def __init__(self, p: "LookaheadProposer"):
         self.pool = NGramPool(p.ngram, p.pool_cap, p.guesses)
@@ -116,22 +125,19 @@ class _State:
         self.proposed: tuple | None = None  # (tokens, parents, node classes) drafted last step
         self.tries: list[float] | None = None  # per node class: decayed reach / accept counts
         self.hits: list[float] | None = None
+        self.touched: list[int] | None = None
+        self.step = 0
 
     def nbytes(self) -> int:
+        tree = sum(sys.getsizeof(x) for x in (self.tries, self.hits, self.touched, self.lpath) if x is not None)
+        tree += sum(map(sys.getsizeof, self.lpath)) + (sum(map(sys.getsizeof, self.proposed)) if self.proposed else 0)
         return (self.pool.nbytes() + sys.getsizeof(self.index) + sum(map(sys.getsizeof, self.index))
-                + sys.getsizeof(self.window) + sum(sys.getsizeof(d) + sys.getsizeof(a) for _, d, a in self.levels))
+                + sys.getsizeof(self.window) + sum(sys.getsizeof(d) + sys.getsizeof(a) for _, d, a in self.levels)
+                + tree)
 
 
 class LookaheadProposer(Proposer):
     needs_target_argmax = True
-
-    #: Tree form node order (see module docstring): a node scores max over the candidates through
-    #: it of weight * depth_decay**(depth-1); candidate r weighs rank_decay**r, the Jacobi window
-    #: window_weight. Class attributes so a sweep can override them; defaults from the sweep in
-    #: tests/test_proposers_lookahead.py's notes (ToyEngine targets).
-    rank_decay = 0.5
-    depth_decay = 0.8
-    window_weight = 0.5
 
     def __init__(self, num_speculative_tokens: int, window: int | None = None, ngram: int = 3,
                  guesses: int = 8, pool_cap: int = 4096, prompt_lookup_min: int = 1,
@@ -278,24 +284,30 @@ class LookaheadProposer(Proposer):
                     return drafts[:i]
         return drafts[:k]
 
-    def _chain(self, st: _State, t: np.ndarray, ctx: list[int], k: int) -> list[int]:
-        """The chain form's candidate: `_extend` repeated up to k tokens."""
+    def _chain(self, st: _State, t: np.ndarray, ctx: list[int], k: int, srcs: list[int] | None = None) -> list[int]:
+        """The chain form's candidate: `_extend` repeated up to k tokens. `srcs`, if given,
+        receives each token's source (0: prompt lookup, >= 2 tokens of context; 1: pool; 2:
+        1-token prompt lookup)."""
         chain: list[int] = []
         while len(chain) < k:
-            ext = self._extend(st, t, (ctx + chain)[-len(ctx):], k - len(chain))
+            ext = self._extend(st, t, (ctx + chain)[-len(ctx):], k - len(chain), srcs)
             if not ext:
                 break
             chain += ext
         return chain
 
-    def _extend(self, st: _State, t: np.ndarray, ctx: list[int], r: int) -> list[int]:
+    def _extend(self, st: _State, t: np.ndarray, ctx: list[int], r: int, srcs: list[int] | None = None) -> list[int]:
         ext = self._lookup(st, t, ctx, r, max(self.pl_min, 2))  # text match with >= 2 tokens of context
-        if ext:
-            return ext
-        grams = st.pool.get(ctx[-1])  # Jacobi/text n-grams: most recent wins
-        if grams:
-            return list(grams[-1][1:r + 1])
-        return self._lookup(st, t, ctx, r, 1) if self.pl_min == 1 else []
+        src = 0
+        if not ext:
+            grams = st.pool.get(ctx[-1])  # Jacobi/text n-grams: most recent wins
+            if grams:
+                ext, src = list(grams[-1][1:r + 1]), 1
+            elif self.pl_min == 1:
+                ext, src = self._lookup(st, t, ctx, r, 1), 2
+        if srcs is not None:
+            srcs += [src] * len(ext)
+        return ext
 
     def _lookup(self, st: _State, t: np.ndarray, ctx: list[int], r: int, lo: int) -> list[int]:
         """Prompt lookup as `ngram_lookup`, via the incremental index (latest occurrence)."""
@@ -306,32 +318,36 @@ class LookaheadProposer(Proposer):
         return []
 
     # ---- tree form -------------------------------------------------------------------------
-    # Node classes (per-request acceptance statistics; a node's class is that of the first
-    # candidate inserted through it, in the insertion order of `_propose_tree`):
-    #   0 / 1: the chain form's chain (best candidate), depth 1 / deeper
-    #   2:     the Jacobi window after that chain (the chain form's draft tail)
-    #   3 / 4: the Jacobi window off the root (the paper's lookahead branch), depth 1 / deeper
-    #   5 + 2(r-1) / 6 + 2(r-1): r-th other candidate (r >= 1), depth 1 / deeper
-    _PRIOR = (0.6, 0.7, 0.3, 0.3, 0.5)   # prior acceptance rates of classes 0..4
-    _PRIOR_ALT = (0.3, 0.6)   # other candidates: rank-1 first token (halved per rank) / deeper
-    _PRIOR_WEIGHT = 2.0       # pseudo-counts behind the priors (forgetting never goes below them)
+    # Node classes for the per-request acceptance statistics: (source, diverge, depth), depth
+    # capped at _DEPTHS. Sources: the chain form's chain, by where each token came from (0:
+    # prompt lookup with >= 2 tokens of context, 1: pool, 2: 1-token prompt lookup), 3: the
+    # Jacobi window after that chain (the chain form's draft tail), 4: the Jacobi window off the
+    # root (the paper's lookahead branch), 4 + r: the r-th other candidate (r >= 1). diverge: the
+    # first node a candidate adds (depth 1, or where it leaves a shared prefix), which competes
+    # with its siblings; else a continuation below the candidate's own node. A node's class is
+    # set by the first candidate inserted through it (insertion order of `_propose_tree`).
+    # Index: (2 * source + (not diverge)) * _DEPTHS + min(depth, _DEPTHS) - 1.
+    _DEPTHS = 4
+    # prior acceptance rates of sources 0..4: (diverge, continuation)
+    _PRIOR = ((0.7, 0.9), (0.4, 0.6), (0.3, 0.5), (0.3, 0.3), (0.3, 0.5))
+    _PRIOR_ALT = (0.3, 0.6)   # other candidates: rank-1 diverge (halved per rank) / continuation
+    _PRIOR_WEIGHT = 4.0       # pseudo-counts behind the priors (forgetting never goes below them)
     _DECAY = 0.97             # per-step forgetting of the counts
-    #: which Jacobi window branches a tree carries: "chain" (after the best candidate), "root"
-    #: (off the root), or "both" (each scored like any node; see the module docstring)
-    window_at = "both"
-    order = "score"
-    _ALT_EXTEND = 0
-    _WINDOW_FLOOR = 0.0
-    _TIE_MAIN = False
+    #: where the tree carries the Jacobi window: "root" (off the root, the paper's lookahead
+    #: branch), "chain" (after the best candidate, as the chain form drafts it) or "both" (each
+    #: scored like any node). Simulated tau, tree/chain geomean over 5 toy targets x 7 configs at
+    #: equal budget: root 1.030, both 1.024, chain 1.019 (see the tests' notes).
+    window_at = "root"
 
     def _init_stats(self, st: _State) -> None:
-        c = 5 + 2 * (self.guesses + 1)
-        pri = list(self._PRIOR) + [0.0] * (c - 5)
+        pri = list(self._PRIOR)
         for r in range(1, self.guesses + 2):
-            pri[3 + 2 * r] = self._PRIOR_ALT[0] * 0.5 ** (r - 1)
-            pri[4 + 2 * r] = self._PRIOR_ALT[1]
-        st.tries = [self._PRIOR_WEIGHT] * c
-        st.hits = [self._PRIOR_WEIGHT * q for q in pri]
+            pri.append((self._PRIOR_ALT[0] * 0.5 ** (r - 1), self._PRIOR_ALT[1]))
+        rates = [rate for pair in pri for rate in pair for _ in range(self._DEPTHS)]
+        st.tries = [self._PRIOR_WEIGHT] * len(rates)
+        st.hits = [self._PRIOR_WEIGHT * q for q in rates]
+        st.touched = [0] * len(rates)   # step of each class's last decay
+        st.step = 0
 
     def _observe_tree(self, st: _State, req: RequestStep) -> None:
         """A verified tree: acceptance statistics, n-grams from every node, then the next window
@@ -382,21 +398,27 @@ class LookaheadProposer(Proposer):
 
     def _update_stats(self, st: _State, P: list[int], on: set[int], cls: list[int]) -> None:
         """Node i was reachable iff its parent was accepted (or is the root); count reach/accept
-        per class, with exponential forgetting down to the prior's weight. O(n + classes)."""
+        per class. Counts decay by _DECAY per step, never below the prior's weight; decay scales
+        a class's hits and tries alike (its rate is unchanged), so it is applied lazily to the
+        classes touched: t <- max(t * decay**steps, prior weight). O(n)."""
         if st.tries is None:
             self._init_stats(st)
-        lam, pw = self._DECAY, self._PRIOR_WEIGHT
-        tries, hits = st.tries, st.hits
-        for c in range(len(tries)):
-            if tries[c] > pw:
-                f = max(lam, pw / tries[c])
-                tries[c] *= f
-                hits[c] *= f
+        st.step += 1
+        lam, pw, now = self._DECAY, self._PRIOR_WEIGHT, st.step
+        tries, hits, last = st.tries, st.hits, st.touched
         for i, p in enumerate(P):
             if p < 0 or p in on:
-                tries[cls[i]] += 1.0
+                c = cls[i]
+                if last[c] != now:
+                    tr = tries[c]
+                    if tr > pw:
+                        f = max(tr * lam ** (now - last[c]), pw) / tr
+                        tries[c] = tr * f
+                        hits[c] *= f
+                    last[c] = now
+                tries[c] += 1.0
                 if i in on:
-                    hits[cls[i]] += 1.0
+                    hits[c] += 1.0
 
     def _harvest_paths(self, st: _State, t: np.ndarray, base: int, d: tuple, P: list[int],
                        A: tuple, skip: set[int]) -> None:
@@ -428,6 +450,8 @@ class LookaheadProposer(Proposer):
                 add(tuple(gram))
 
     def _propose_tree(self, st: _State, req: RequestStep, k: int) -> "DraftTree | list[int]":
+        """The draft tree: candidates merged as a trie, each node scored with its estimated
+        probability of acceptance, the best `min(tree_nodes, k)` nodes kept, best first."""
         from vllm_spec_plugins.scorers.tree import DraftTree
 
         if st.tries is None:
@@ -435,81 +459,82 @@ class LookaheadProposer(Proposer):
         budget = min(self.tree_nodes, k)
         t = req.token_ids
         ctx = t[-max(self.pl_max, 1):].tolist()
-        chain = self._chain(st, t, ctx, budget)
+        srcs: list[int] = []
+        chain = self._chain(st, t, ctx, budget, srcs)
         win = st.window[:min(self.window, budget)]
         alts = [list(g[1:budget + 1]) for g in reversed(st.pool.get(ctx[-1])[-self.guesses:])]
-        if self._ALT_EXTEND:
-            for a in alts:
-                while len(a) < self._ALT_EXTEND:
-                    g = st.pool.get(a[-1])
-                    if not g:
-                        break
-                    a += g[-1][1:self._ALT_EXTEND - len(a) + 1]
         if self.pl_min == 1:
             one = self._lookup(st, t, ctx, budget, 1)
             if one:
                 alts.append(one)
-        q = [h / tr for h, tr in zip(st.hits, st.tries)]
-        if self._WINDOW_FLOOR:
-            for c in (2, 4):
-                q[c] = max(q[c], self._WINDOW_FLOOR)
+        hits, tries = st.hits, st.tries   # rate of class c: hits[c] / tries[c]
         V = self.vocab_size
         toks: list[int] = []
         pars: list[int] = []
         cls: list[int] = []
         score: list[float] = []
         node_of: dict[tuple, int] = {}
+        top: list[tuple] = []   # min-heap (score, -node) of the best `budget` nodes so far
+        inserted: list[list[int]] = []
 
-        depth: list[int] = []
-        rank: list[int] = []   # order="rank"/"bfs" only: best candidate through the node
-        WINDOW_RANK = 1 << 20  # window guesses rank after every candidate
+        D = self._DEPTHS
+        dix = [min(j, D - 1) for j in range(budget)]   # depth index of position j (depth j+1)
 
-        def insert(path: list[int], rk: int, c0: int, c1: int, tail_from: int = 1 << 30) -> None:
-            par, s = -1, 1.0
-            for j, x in enumerate(path[:budget]):
-                if V is not None and not 0 <= x < V:
-                    break
-                r = rk if j < tail_from else WINDOW_RANK
+        def insert(path: list[int], src: int, per_token: list[int] | None = None, tail_from: int = 1 << 30) -> None:
+            """Source `src`, or `per_token` sources; tokens from tail_from on are the window
+            tail (source 3). A node that cannot make the top `budget` is not added, nor is
+            anything below it (a child never outscores its parent)."""
+            path = path[:budget]
+            if V is not None and path and not (0 <= min(path) and max(path) < V):
+                path = path[:next(j for j, x in enumerate(path) if not 0 <= x < V)]
+            for done in inserted:   # a prefix of an inserted path adds nothing
+                if done[:len(path)] == path:
+                    return
+            inserted.append(path)
+            par, s, fresh = -1, 1.0, True
+            for j in range(len(path)):
+                x = path[j]
                 node = node_of.get((par, x))
                 if node is None:
-                    c = c0 if j == 0 else (c1 if j < tail_from else 2)
-                    s *= q[c]   # estimated P(accepted) = P(parent accepted) * P(accept | reached)
+                    if j < tail_from:
+                        c = (2 * (per_token[j] if per_token is not None else src) + (not fresh)) * D + dix[j]
+                    else:
+                        c = (6 + (j != tail_from)) * D + dix[j]
+                    fresh = False
+                    s *= hits[c] / tries[c]   # P(accepted) = P(parent accepted) * P(accepted | reached)
+                    if len(top) == budget and s <= top[0][0]:
+                        return    # ties lose to older nodes
                     node = node_of[(par, x)] = len(toks)
                     toks.append(x)
                     pars.append(par)
                     cls.append(c)
                     score.append(s)
-                    depth.append(j + 1)
-                    rank.append(r)
+                    if len(top) == budget:
+                        heapq.heapreplace(top, (s, -node))
+                    else:
+                        heapq.heappush(top, (s, -node))
                 else:
                     s = score[node]
-                    rank[node] = min(rank[node], r)
                 par = node
 
         lpaths = []
-        if self.window_at in ("root", "both") or not chain:
-            lpaths.append(win)
-        if chain and self.window_at in ("chain", "both"):
-            lpaths.insert(len(lpaths) if not self._TIE_MAIN else 0, chain + win[len(chain):])
-        if chain:
-            insert(chain + (win[len(chain):] if self.window_at != "root" else []), 0, 0, 1, len(chain))
         if self.window_at != "chain" or not chain:
-            insert(win, WINDOW_RANK, 3, 4)
+            lpaths.append(win)
+        if chain and self.window_at != "root":
+            lpaths.append(chain + win[len(chain):])
+        if chain:
+            insert(chain + (win[len(chain):] if self.window_at != "root" else []), 0, srcs, len(chain))
+        if self.window_at != "chain" or not chain:
+            insert(win, 4)
         for r, a in enumerate(alts, 1):
-            c0 = 3 + 2 * min(r, self.guesses + 1)
-            insert(a, r, c0, c0 + 1)
+            insert(a, 4 + min(r, self.guesses + 1))
         st.lpath = lpaths
-        if not toks:
+        if not top:
             return []
-        # best first; a child's score is its parent's times q <= 1 (ties: older first), so the
-        # order is topological and every prefix is a tree
-        if self.order == "score":
-            key = lambda i: (-score[i], i)
-        elif self.order == "bfs":
-            key = lambda i: (depth[i], rank[i], i)
-        else:
-            key = lambda i: (rank[i], i)
-        order = sorted(range(len(toks)), key=key)[:budget]
+        # best first (ties: older first). A child scores <= its parent and is younger, so the
+        # kept set holds every kept node's parent, the order is topological, and every prefix
+        # of it (the scheduler may cut one) is a tree.
+        order = sorted((-node for _, node in top), key=lambda i: (-score[i], i))
         new = {old: j for j, old in enumerate(order)}
         tree = DraftTree([toks[i] for i in order], [new[pars[i]] if pars[i] >= 0 else -1 for i in order])
         st.proposed = (tree.tokens, tree.parents, [cls[i] for i in order])

@@ -249,6 +249,8 @@ class OracleTreeProposer(OracleProposer):
         from vllm_spec_plugins.scorers import DraftTree
         true = self._next(st, req, min(self.depth, k))
         rng = np.random.default_rng([self.seed, len(req.token_ids)])
+        if not true and self.adversarial and not self.by_prompt and not self.by_id:
+            true = [0] * min(self.depth, k)        # no references: every node drafts vocab-1
         if not true:
             return []
         nodes = min(self.nodes, k)
@@ -428,18 +430,24 @@ def simulate_tree(proposer: Proposer, target_next: TargetFn, prompt: list[int], 
     return r.out, r.steps, r.accepted
 
 
-def pair_table_target(vocab_size: int = 50, seed: int = 0, noise: float = 0.1, skew: float = 0.0) -> TargetFn:
+def pair_table_target(vocab_size: int = 50, seed: int = 0, noise: float = 0.1, skew: float = 0.0,
+                      branching: int | None = None) -> TargetFn:
     """A 'noisy' toy target: next = T[t[-2], t[-1]] for a random table T (so the last token alone
     does not determine the next one: the pool must learn which of its candidates applies), except
     for a pseudo-random `noise` fraction of (position, last two tokens), where the next token is
     a hash of those (deterministic; unpredictable unless the last two tokens are right). `skew`:
-    that fraction of pairs (a, b) map to g[b] instead (a mostly-last-token target). Without
+    that fraction of pairs (a, b) map to g[b] instead (a mostly-last-token target). `branching`:
+    T[a, b] = G[b, a % branching], the last token leaves that many options (a tree's breadth can
+    cover them, a chain cannot). Without
     the noise the text falls into a short cycle (a random map on vocab^2 pairs) that prompt
     lookup alone handles."""
     rng = np.random.default_rng(seed)
     T = rng.integers(0, vocab_size, (vocab_size, vocab_size))
     if skew:   # a `skew` fraction of pairs (a, b) follow g[b]: mostly a function of the last token
         T = np.where(rng.random(T.shape) < skew, rng.integers(0, vocab_size, vocab_size)[None, :], T)
+    if branching:  # T[a, b] = G[b, a % branching]: the last token leaves `branching` options
+        G = rng.integers(0, vocab_size, (vocab_size, branching))
+        T = G[np.arange(vocab_size)[None, :], np.arange(vocab_size)[:, None] % branching]
     T = T.tolist()
     thresh = int(noise * 2 ** 32)
 

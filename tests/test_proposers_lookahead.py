@@ -350,8 +350,10 @@ def test_tree_engine_reports_and_oracle_tree():
     assert out == ref and sum(acc) == 0
 
 
-TREE_CFGS = [dict(k=4, window=4, ngram=3, guesses=4, tree_nodes=4), dict(k=8, window=4, ngram=4, guesses=8, tree_nodes=6),
-             dict(k=8, window=8, ngram=2, guesses=2, tree_nodes=8), dict(k=6, window=1, ngram=5, guesses=7, tree_nodes=3)]
+TREE_CFGS = [dict(k=4, window=4, ngram=3, guesses=4, tree_nodes=4),
+             dict(k=8, window=4, ngram=4, guesses=8, tree_nodes=6),
+             dict(k=8, window=8, ngram=2, guesses=2, tree_nodes=8),
+             dict(k=6, window=1, ngram=5, guesses=7, tree_nodes=3)]
 
 
 @pytest.mark.parametrize("cfg", TREE_CFGS)
@@ -509,3 +511,52 @@ def test_tree_validation():
     with pytest.raises(ValueError, match="tree"):
         LookaheadProposer(4, tree="yes")
     LookaheadProposer(1, window=1, ngram=2, guesses=1, pool_cap=1, tree=True, tree_nodes=1)
+
+
+def _tau_pair(cases, k, window, ngram, guesses, tree_nodes, vocab=None):
+    taus = []
+    for tree in (False, True):
+        outs = steps = 0
+        for f, prompt, n in cases:
+            p = LookaheadProposer(k, window=window, ngram=ngram, guesses=guesses, tree=tree, tree_nodes=tree_nodes,
+                                  vocab_size=vocab)
+            out, st, _ = simulate_tree(p, f, prompt, n, vocab_size=vocab, max_tree_nodes=tree_nodes)
+            assert out == greedy(f, prompt, n)
+            outs, steps = outs + len(out), steps + st
+        taus.append(outs / steps)
+    return taus
+
+
+# Same verification budget (tree_nodes == k). Measured tree/chain tau per case (3 cases each):
+# fib 1.01-1.08, pair50 1.01-1.10, branch3 1.02-1.14; lcg 0.75-1.19 per case, 0.95-1.02 overall
+# (a last-token target: breadth is useless, the tree only pays for exploring it).
+@pytest.mark.parametrize("target", ["fib", "pair50", "branch3"])
+@pytest.mark.parametrize("cfg", [(8, 8, 3, 8, 8), (16, 8, 4, 8, 16)])
+def test_tree_tau_at_least_chain(target, cfg):
+    if target == "fib":
+        cases = [(fib(50), p, 400) for p in ([1, 1], [3, 7], [2, 9])]
+    else:
+        kw = dict(branching=3) if target == "branch3" else {}
+        cases = [(pair_table_target(50, s, 0.1, **kw), np.random.default_rng(10 * (target == "pair50") + 30 * (
+            target == "branch3") + s).integers(0, 50, 32).tolist(), 300) for s in range(3)]
+    chain_tau, tree_tau = _tau_pair(cases, *cfg, vocab=50)
+    assert tree_tau >= chain_tau, (chain_tau, tree_tau)
+
+
+def test_tree_tau_lcg_no_big_loss_and_pool_cap():
+    cases = [(*lcg_case(s), 300) for s in range(3)]
+    chain_tau, tree_tau = _tau_pair(cases, 8, 8, 3, 8, 8)
+    assert tree_tau >= 0.9 * chain_tau and tree_tau > 2.0, (chain_tau, tree_tau)
+    V, cap = 997, 128
+    f = lambda t: (3 * t[-1] + 7 * t[-2] + 11) % V
+    p = LookaheadProposer(8, ngram=4, guesses=4, pool_cap=cap, vocab_size=V, tree=True)
+    eng = TreeToyEngine(p, f, vocab_size=V)
+    eng.add("r", [1, 2, 3], 1500)
+    sizes, nbytes = [], []
+    while eng.reqs:
+        eng.step()
+        if "r" in p.states:
+            sizes.append(p.states["r"].pool.size())
+            nbytes.append(p.state_nbytes("r"))
+    assert max(sizes) == cap and eng.tree_steps > 20
+    assert max(nbytes) < 2 * min(nbytes[sizes.index(cap):]) + 64 * 1024

@@ -484,6 +484,36 @@ def build_tiny_model(
 # ---------------------------------------------------------------------------------------------
 # Tokenizer / vocab compatibility
 # ---------------------------------------------------------------------------------------------
+def build_truncated_model(src_dir: str | os.PathLike | None = None, num_layers: int = 6,
+                          out_dir: str | os.PathLike | None = None) -> Path:
+    """The first `num_layers` layers of a Llama-style model (plus its embeddings, final norm and
+    head) as a drafter for vLLM's own `draft_model` method. No training: a baseline."""
+    from safetensors.torch import load_file, save_file
+    src = Path(src_dir) if src_dir else build_default_model()
+    out = Path(out_dir) if out_dir else cache_root() / f"{src.name}-first{num_layers}"
+    if is_complete(out):
+        return out
+    cfg = _read_json(src / "config.json")
+    if not 1 <= num_layers <= cfg["num_hidden_layers"]:
+        raise ValueError(f"num_layers must be in 1..{cfg['num_hidden_layers']}, got {num_layers}")
+    tmp = _new_tmp_dir(out)
+    keep = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for k, v in load_file(str(f)).items():
+            parts = k.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
+                continue
+            keep[k] = v
+    save_file(keep, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    _write_json(tmp / "config.json", {**cfg, "num_hidden_layers": num_layers})
+    for name in ("generation_config.json",):
+        if (src / name).exists():
+            shutil.copy(src / name, tmp / name)
+    _copy_tokenizer_files(src, tmp)
+    _finalize_dir(tmp, out, {"kind": "truncated", "source": str(src), "num_layers": num_layers})
+    return out
+
+
 def model_vocab_size(model_dir: str | os.PathLike) -> int:
     """``vocab_size`` from the folder's config.json (LM-head rows; top level or text_config)."""
     cfg = _read_json(Path(model_dir) / "config.json")

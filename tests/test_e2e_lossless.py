@@ -28,11 +28,13 @@ def references(plain, tmp_path_factory):
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])
-@pytest.mark.parametrize("method", ["oracle", "adversarial", "lookahead"])
+@pytest.mark.parametrize("method", ["oracle", "adversarial", "lookahead", "lookahead_tree"])
 def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_prompts, plain, references):
     spec = {"method": method, "num_speculative_tokens": 4}
     if method in ("oracle", "adversarial"):
         spec["references"] = references
+    if method == "lookahead_tree":     # full form: pool candidates + Jacobi window as one tree
+        spec = {"method": "lookahead", "num_speculative_tokens": 8, "window": 6, "tree": True}
     res = run_isolated(_job(default_model, heldout_prompts, spec, batch_size,
                             report_plugin_state=True))
     got = res["groups"]["all"]
@@ -50,11 +52,15 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
         assert worker["requests"] <= 1, worker
 
 
-def test_preemption_and_aborts_keep_output_and_free_state(default_model, heldout_prompts, plain):
+@pytest.mark.parametrize("drafts", ["chain", "tree"])
+def test_preemption_and_aborts_keep_output_and_free_state(drafts, default_model, heldout_prompts, plain,
+                                                         references):
     """Small KV cache (forced preemption) + two requests aborted mid-speculation: the others
     still equal plain vLLM and no per-request state is left behind."""
     prompts = heldout_prompts[:8]
-    spec = {"method": "lookahead", "num_speculative_tokens": 4}
+    spec = ({"method": "lookahead", "num_speculative_tokens": 4} if drafts == "chain" else
+            {"method": "oracle", "num_speculative_tokens": 8, "references": references,
+             "tree_nodes": 8, "tree_depth": 3})
     res = run_isolated(_job(default_model, prompts, spec, 8, report_plugin_state=True,
                             abort={"after_steps": 6, "indices": [1, 5]},
                             llm_kwargs={"enforce_eager": True, "num_gpu_blocks_override": 12}))

@@ -30,10 +30,27 @@ class _Req:
 
 
 class ToyEngine:
-    """Greedy chain verification against `target_next(prefix_tuple) -> token`."""
+    """Greedy verification of chains and `DraftTree`s against `target_next(prefix_tuple) -> token`.
+
+Trees are verified the way the plugin's worker does.
+
+    A tree is greedily verified in one step: row 0 = the target's token after the prefix, row
+    1 + i = its token after the prefix + path(node i); the accepted path is the longest root path
+    whose tokens match (first child on duplicate siblings). The next `RequestStep` then carries
+    `drafts` = tree tokens, `tree_parents`, `accepted_nodes` and one `target_argmax` entry per row.
+    As in the plugin: a request with `tree_ok` False gets its tree cut to the first root-to-leaf
+    path (node 0, its first child, ...); a tree that is a chain (after `truncate`) is verified as
+    a chain (no `tree_parents`); `truncate(req_id, num_nodes) -> m` lets a test play the scheduler
+    cutting a tree to its first m nodes. Chains are verified exactly as `ToyEngine` does.
+    """
 
     def __init__(self, proposer: Proposer, target_next: TargetFn, k: int | None = None,
-                 vocab_size: int | None = None, collect_argmax: bool = True):
+                 vocab_size: int | None = None, collect_argmax: bool = True,
+                 tree_ok: bool | Callable[[str], bool] = True,
+                 truncate: Callable[[str, int], int] | None = None, max_tree_nodes: int | None = None):
+        self.tree_ok, self.truncate, self.max_tree_nodes = tree_ok, truncate, max_tree_nodes
+        self.tree_steps = 0                   # verify steps that verified a (non-chain) tree
+        self.proposed_sizes: list[int] = []   # node count of every tree the proposer returned
         self.proposer, self.target_next = proposer, target_next
         self.collect_argmax = collect_argmax
         self.k = proposer.k if k is None else k
@@ -63,21 +80,41 @@ class ToyEngine:
     def resume(self, req_id: str) -> None:
         self.reqs[req_id] = self.paused.pop(req_id)
 
-    def step(self, order: Iterable[str] | None = None) -> list[list[int]]:
-        """Run one target step for every running request (rows in `order`), then ask the
-        proposer for the next drafts. Returns the drafts in row order."""
+    def step(self, order: Iterable[str] | None = None) -> list:
         rows: list[RequestStep] = []
         order = list(self.reqs) if order is None else list(order)
         assert sorted(order) == sorted(self.reqs), "order must list every running request once"
         for rid in order:
             r = self.reqs[rid]
             prefix = tuple(r.tokens)
-            drafts = r.drafts or []
-            argmax = [self.target_next(prefix + tuple(drafts[:i])) for i in range(len(drafts) + 1)]
-            a = 0
-            while a < len(drafts) and drafts[a] == argmax[a]:
-                a += 1
-            sampled = drafts[:a] + [argmax[a]]
+            d = r.drafts
+            parents = accepted_nodes = None
+            if isinstance(d, tuple):                       # (tokens, parents): a tree
+                drafts, parents = list(d[0]), list(d[1])
+                paths: list[tuple] = []
+                for tok, p in zip(drafts, parents):
+                    paths.append((paths[p] if p >= 0 else ()) + (tok,))
+                argmax = [self.target_next(prefix)] + [self.target_next(prefix + pt) for pt in paths]
+                children: list[list[int]] = [[] for _ in range(len(drafts) + 1)]
+                for i, p in enumerate(parents):
+                    children[p + 1].append(i)
+                row, accepted_nodes = 0, []
+                while True:
+                    nxt = next((c for c in children[row] if drafts[c] == argmax[row]), None)
+                    if nxt is None:
+                        break
+                    accepted_nodes.append(nxt)
+                    row = nxt + 1
+                sampled = [drafts[i] for i in accepted_nodes] + [argmax[row]]
+                a = len(accepted_nodes)
+                self.tree_steps += 1
+            else:
+                drafts = d or []
+                argmax = [self.target_next(prefix + tuple(drafts[:i])) for i in range(len(drafts) + 1)]
+                a = 0
+                while a < len(drafts) and drafts[a] == argmax[a]:
+                    a += 1
+                sampled = drafts[:a] + [argmax[a]]
             if r.drafts is not None:
                 r.accepted.append(a)
             r.steps += 1
@@ -92,18 +129,41 @@ class ToyEngine:
             r.buf[n - len(sampled):n] = sampled
             view = r.buf[:n]
             view.flags.writeable = False
-            rows.append(RequestStep(rid, view, sampled, list(drafts), argmax if self.collect_argmax else None))
+            rows.append(RequestStep(rid, view, sampled, list(drafts), argmax if self.collect_argmax else None,
+                                    parents, accepted_nodes, self._tree_ok(rid)))
         ctx = StepContext(rows, self._finished, self._preempted, self.k)
         self._finished, self._preempted = set(), set()
         out = self.proposer.propose(ctx)
         assert len(out) == len(rows)
         for row, d in zip(rows, out):
-            d = [int(x) for x in d]
-            assert len(d) <= self.k, f"{len(d)} drafts > k={self.k}"
+            if hasattr(d, "parents"):                      # a DraftTree
+                toks, par = [int(x) for x in d.tokens], [int(p) for p in d.parents]
+                assert len(toks) == len(par) and all(-1 <= p < i for i, p in enumerate(par)), (toks, par)
+                self.proposed_sizes.append(len(toks))
+                assert len(toks) <= self.k, f"{len(toks)} tree nodes > k={self.k}"
+                if self.max_tree_nodes is not None:
+                    assert len(toks) <= self.max_tree_nodes, f"{len(toks)} > {self.max_tree_nodes} nodes"
+                if not row.tree_ok:                        # the plugin cuts it to its first path
+                    chain, cur = [], -1
+                    while (nxt := next((i for i, p in enumerate(par) if p == cur), None)) is not None:
+                        chain.append(toks[nxt])
+                        cur = nxt
+                    toks, par = chain, list(range(-1, len(chain) - 1))
+                elif self.truncate is not None:
+                    m = max(0, int(self.truncate(row.req_id, len(toks))))
+                    toks, par = toks[:m], par[:m]
+                stored = list(toks) if _is_chain(par) else (toks, par)
+            else:
+                toks = [int(x) for x in d]
+                assert len(toks) <= self.k, f"{len(toks)} drafts > k={self.k}"
+                stored = toks
             if self.vocab_size is not None:
-                assert all(0 <= x < self.vocab_size for x in d), d
-            self.reqs[row.req_id].drafts = d
+                assert all(0 <= x < self.vocab_size for x in toks), toks
+            self.reqs[row.req_id].drafts = stored
         return out
+
+    def _tree_ok(self, rid: str) -> bool:
+        return self.tree_ok(rid) if callable(self.tree_ok) else bool(self.tree_ok)
 
     def flush(self) -> None:
         """Report pending finished/preempted ids to the proposer (a step with no rows)."""
@@ -289,114 +349,7 @@ def _is_chain(parents: Sequence[int]) -> bool:
     return all(p == i - 1 for i, p in enumerate(parents))
 
 
-class TreeToyEngine(ToyEngine):
-    """`ToyEngine` that also verifies `DraftTree`s, the way the plugin's worker does.
-
-    A tree is greedily verified in one step: row 0 = the target's token after the prefix, row
-    1 + i = its token after the prefix + path(node i); the accepted path is the longest root path
-    whose tokens match (first child on duplicate siblings). The next `RequestStep` then carries
-    `drafts` = tree tokens, `tree_parents`, `accepted_nodes` and one `target_argmax` entry per row.
-    As in the plugin: a request with `tree_ok` False gets its tree cut to the first root-to-leaf
-    path (node 0, its first child, ...); a tree that is a chain (after `truncate`) is verified as
-    a chain (no `tree_parents`); `truncate(req_id, num_nodes) -> m` lets a test play the scheduler
-    cutting a tree to its first m nodes. Chains are verified exactly as `ToyEngine` does.
-    """
-
-    def __init__(self, proposer: Proposer, target_next: TargetFn, k: int | None = None,
-                 vocab_size: int | None = None, collect_argmax: bool = True,
-                 tree_ok: bool | Callable[[str], bool] = True,
-                 truncate: Callable[[str, int], int] | None = None, max_tree_nodes: int | None = None):
-        super().__init__(proposer, target_next, k, vocab_size, collect_argmax)
-        self.tree_ok = tree_ok
-        self.truncate = truncate
-        self.max_tree_nodes = max_tree_nodes
-        self.tree_steps = 0                   # verify steps that verified a (non-chain) tree
-        self.proposed_sizes: list[int] = []   # node count of every tree the proposer returned
-
-    def _tree_ok(self, rid: str) -> bool:
-        return self.tree_ok(rid) if callable(self.tree_ok) else bool(self.tree_ok)
-
-    def step(self, order: Iterable[str] | None = None) -> list:
-        rows: list[RequestStep] = []
-        order = list(self.reqs) if order is None else list(order)
-        assert sorted(order) == sorted(self.reqs), "order must list every running request once"
-        for rid in order:
-            r = self.reqs[rid]
-            prefix = tuple(r.tokens)
-            d = r.drafts
-            parents = accepted_nodes = None
-            if isinstance(d, tuple):                       # (tokens, parents): a tree
-                drafts, parents = list(d[0]), list(d[1])
-                paths: list[tuple] = []
-                for tok, p in zip(drafts, parents):
-                    paths.append((paths[p] if p >= 0 else ()) + (tok,))
-                argmax = [self.target_next(prefix)] + [self.target_next(prefix + pt) for pt in paths]
-                children: list[list[int]] = [[] for _ in range(len(drafts) + 1)]
-                for i, p in enumerate(parents):
-                    children[p + 1].append(i)
-                row, accepted_nodes = 0, []
-                while True:
-                    nxt = next((c for c in children[row] if drafts[c] == argmax[row]), None)
-                    if nxt is None:
-                        break
-                    accepted_nodes.append(nxt)
-                    row = nxt + 1
-                sampled = [drafts[i] for i in accepted_nodes] + [argmax[row]]
-                a = len(accepted_nodes)
-                self.tree_steps += 1
-            else:
-                drafts = d or []
-                argmax = [self.target_next(prefix + tuple(drafts[:i])) for i in range(len(drafts) + 1)]
-                a = 0
-                while a < len(drafts) and drafts[a] == argmax[a]:
-                    a += 1
-                sampled = drafts[:a] + [argmax[a]]
-            if r.drafts is not None:
-                r.accepted.append(a)
-            r.steps += 1
-            sampled = sampled[:r.max_tokens - len(r.out)]
-            r.tokens += sampled
-            r.out += sampled
-            if len(r.out) >= r.max_tokens:
-                self.done[rid] = self.reqs.pop(rid)
-                self._finished.add(rid)
-                continue
-            n = len(r.tokens)
-            r.buf[n - len(sampled):n] = sampled
-            view = r.buf[:n]
-            view.flags.writeable = False
-            rows.append(RequestStep(rid, view, sampled, list(drafts), argmax if self.collect_argmax else None,
-                                    parents, accepted_nodes, self._tree_ok(rid)))
-        ctx = StepContext(rows, self._finished, self._preempted, self.k)
-        self._finished, self._preempted = set(), set()
-        out = self.proposer.propose(ctx)
-        assert len(out) == len(rows)
-        for row, d in zip(rows, out):
-            if hasattr(d, "parents"):                      # a DraftTree
-                toks, par = [int(x) for x in d.tokens], [int(p) for p in d.parents]
-                assert len(toks) == len(par) and all(-1 <= p < i for i, p in enumerate(par)), (toks, par)
-                self.proposed_sizes.append(len(toks))
-                assert len(toks) <= self.k, f"{len(toks)} tree nodes > k={self.k}"
-                if self.max_tree_nodes is not None:
-                    assert len(toks) <= self.max_tree_nodes, f"{len(toks)} > {self.max_tree_nodes} nodes"
-                if not row.tree_ok:                        # the plugin cuts it to its first path
-                    chain, cur = [], -1
-                    while (nxt := next((i for i, p in enumerate(par) if p == cur), None)) is not None:
-                        chain.append(toks[nxt])
-                        cur = nxt
-                    toks, par = chain, list(range(-1, len(chain) - 1))
-                elif self.truncate is not None:
-                    m = max(0, int(self.truncate(row.req_id, len(toks))))
-                    toks, par = toks[:m], par[:m]
-                stored = list(toks) if _is_chain(par) else (toks, par)
-            else:
-                toks = [int(x) for x in d]
-                assert len(toks) <= self.k, f"{len(toks)} drafts > k={self.k}"
-                stored = toks
-            if self.vocab_size is not None:
-                assert all(0 <= x < self.vocab_size for x in toks), toks
-            self.reqs[row.req_id].drafts = stored
-        return out
+TreeToyEngine = ToyEngine   # the name the tree tests use
 
 
 def simulate_tree(proposer: Proposer, target_next: TargetFn, prompt: list[int], max_tokens: int, *,

@@ -30,9 +30,8 @@ class _Req:
 
 
 class ToyEngine:
-    """Greedy verification of chains and `DraftTree`s against `target_next(prefix_tuple) -> token`.
-
-Trees are verified the way the plugin's worker does.
+    """Greedy verification of chains and `DraftTree`s against `target_next(prefix_tuple) -> token`,
+    the way the plugin's worker does.
 
     A tree is greedily verified in one step: row 0 = the target's token after the prefix, row
     1 + i = its token after the prefix + path(node i); the accepted path is the longest root path
@@ -41,7 +40,7 @@ Trees are verified the way the plugin's worker does.
     As in the plugin: a request with `tree_ok` False gets its tree cut to the first root-to-leaf
     path (node 0, its first child, ...); a tree that is a chain (after `truncate`) is verified as
     a chain (no `tree_parents`); `truncate(req_id, num_nodes) -> m` lets a test play the scheduler
-    cutting a tree to its first m nodes. Chains are verified exactly as `ToyEngine` does.
+    cutting a tree to its first m nodes.
     """
 
     def __init__(self, proposer: Proposer, target_next: TargetFn, k: int | None = None,

@@ -97,3 +97,22 @@ def test_register_idempotent_and_version_guard():
     assert len(w) == 1 and "0.40.1" in str(w[0].message) and "0.32.0" in str(w[0].message)
     with pytest.raises(_compat.UnsupportedVllmError, match="0.31.0"):
         _compat.check_version("0.31.0", strict=True)
+
+
+def test_check_drafter(tiny_model, tmp_path):
+    """Drafter folders (for the model-based methods): missing, unreadable, other tokenizer."""
+    import json
+    import shutil
+    cfg.check_drafter(tiny_model, tiny_model)                       # same tokenizer: fine
+    with pytest.raises(ValueError, match="drafter.*does not exist"):
+        cfg.check_drafter(str(tmp_path / "nope"), tiny_model)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="drafter.*config.json"):
+        cfg.check_drafter(str(empty), tiny_model)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model, other)
+    c = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**c, "vocab_size": c["vocab_size"] + 64}))
+    with pytest.raises(ValueError, match="drafter.*tokenizer.*vocab_size"):
+        cfg.check_drafter(str(other), tiny_model)

@@ -157,6 +157,25 @@ def _check_readable(path: str, field: str) -> None:
         raise ValueError(f"speculative_config.{field}={path!r} is not readable")
 
 
+def check_drafter(path: str, target_dir: str, field: str = "drafter") -> None:
+    """A drafter folder must exist, be a readable model folder, and share the target's tokenizer
+    (same vocab size and token->id map). Raises ValueError naming `field` otherwise."""
+    import os
+
+    from vllm_spec_plugins.models import same_tokenizer
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"speculative_config.{field} must be a model folder path")
+    if not os.path.isdir(path):
+        raise ValueError(f"speculative_config.{field}={path!r} does not exist or is not a folder")
+    cfg = os.path.join(path, "config.json")
+    if not os.access(cfg, os.R_OK):
+        raise ValueError(f"speculative_config.{field}={path!r} has no readable config.json")
+    ok, reason = same_tokenizer(path, target_dir)
+    if not ok:
+        raise ValueError(f"speculative_config.{field}={path!r} does not match the target's "
+                         f"tokenizer: {reason}")
+
+
 def translate(spec: dict, target_model_config=None) -> tuple[dict, dict]:
     """(vLLM speculative_config dict, our parameters)."""
     params = validate(spec)

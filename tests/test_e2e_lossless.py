@@ -61,9 +61,9 @@ def test_preemption_and_aborts_keep_output_and_free_state(drafts, default_model,
     spec = ({"method": "lookahead", "num_speculative_tokens": 4} if drafts == "chain" else
             {"method": "oracle", "num_speculative_tokens": 8, "references": references,
              "tree_nodes": 8, "tree_depth": 3})
-    res = run_isolated(_job(default_model, prompts, spec, 8, report_plugin_state=True,
+    res = run_isolated(_job(default_model, prompts, spec, 8, report_plugin_state=True, max_model_len=1024,
                             abort={"after_steps": 6, "indices": [1, 5]},
-                            llm_kwargs={"enforce_eager": True, "num_gpu_blocks_override": 12}))
+                            llm_kwargs={"enforce_eager": True, "num_gpu_blocks_override": 10}))
     got = res["groups"]["all"]
     assert got["preemptions"] > 0, "the small KV cache did not force a preemption"
     for i in range(8):

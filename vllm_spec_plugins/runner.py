@@ -135,7 +135,9 @@ def _generate_with_aborts(llm, prompts, params, after_steps: int, indices: list[
         steps += 1
         if steps == after_steps:
             eng.abort_request([ids[i] for i in indices])
-    return [last[rid] for rid in ids]
+    from types import SimpleNamespace
+    empty = SimpleNamespace(outputs=[SimpleNamespace(token_ids=[], text="", logprobs=None)])
+    return [last.get(rid, empty) for rid in ids]   # aborted before its first token: nothing
 
 
 def run_isolated(job: dict, env: dict | None = None, timeout: float = 1800) -> dict:

@@ -111,11 +111,11 @@ class PluginProposer:
             parents, accepted = verified_trees.get(i, (None, None))
             reqs.append(RequestStep(rid, batch.token_ids_cpu[i, :n], list(sampled_token_ids[i]),
                                     drafts, am, parents, accepted, tree_eligible(runner, i, rid)))
-        gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
-        for rid in gone:
+        finished = set(scheduler_output.finished_req_ids)
+        preempted = set(scheduler_output.preempted_req_ids or ())
+        for rid in finished | preempted:
             self.trees.pop(rid, None)
-        ctx = StepContext(reqs, set(scheduler_output.finished_req_ids),
-                          set(scheduler_output.preempted_req_ids or ()), self.impl.k)
+        ctx = StepContext(reqs, finished, preempted, self.impl.k)
         out = []
         for req, d in zip(reqs, self.impl.propose(ctx)):
             room = max(self.max_model_len - len(req.token_ids) - 1, 0)   # never past max_model_len

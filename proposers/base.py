@@ -35,6 +35,8 @@ class RequestStep:
     # False when the engine can only verify a chain for this request (e.g. logprobs or
     # penalties requested): a tree returned for it is cut to its first root-to-leaf path.
     tree_ok: bool = True
+    # The request's `SamplingParams.extra_args` (traffic tags, e.g. a category), if any.
+    tags: dict | None = None
 
     @property
     def num_accepted(self) -> int:

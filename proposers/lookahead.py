@@ -449,22 +449,29 @@ class LookaheadProposer(Proposer):
                 gram.reverse()
                 add(tuple(gram))
 
-    def _propose_tree(self, st: _State, req: RequestStep, k: int) -> "DraftTree | list[int]":
+    def _propose_tree(self, st: _State, req: RequestStep, k: int,
+                      widths: "list[int] | None" = None) -> "DraftTree | list[int]":
         """The draft tree: candidates merged as a trie, each node scored with its estimated
-        probability of acceptance, the best `min(tree_nodes, k)` nodes kept, best first."""
+        probability of acceptance, the best `min(tree_nodes, k)` nodes kept, best first.
+        `widths` (a shape: at most widths[d] nodes at depth d+1, depth <= len(widths)) keeps,
+        best first, every node whose parent is kept and whose depth still has room."""
         from vllm_spec_plugins.scorers.tree import DraftTree
 
         if st.tries is None:
             self._init_stats(st)
         budget = min(self.tree_nodes, k)
+        depth = budget
+        if widths is not None:
+            depth = len(widths)
+            budget, keep = 1 << 30, min(budget, sum(widths))   # build every node; cut below
         t = req.token_ids
         ctx = t[-max(self.pl_max, 1):].tolist()
         srcs: list[int] = []
-        chain = self._chain(st, t, ctx, budget, srcs)
-        win = st.window[:min(self.window, budget)]
-        alts = [list(g[1:budget + 1]) for g in reversed(st.pool.get(ctx[-1])[-self.guesses:])]
+        chain = self._chain(st, t, ctx, depth, srcs)
+        win = st.window[:min(self.window, depth)]
+        alts = [list(g[1:depth + 1]) for g in reversed(st.pool.get(ctx[-1])[-self.guesses:])]
         if self.pl_min == 1:
-            one = self._lookup(st, t, ctx, budget, 1)
+            one = self._lookup(st, t, ctx, depth, 1)
             if one:
                 alts.append(one)
         hits, tries = st.hits, st.tries   # rate of class c: hits[c] / tries[c]
@@ -478,13 +485,13 @@ class LookaheadProposer(Proposer):
         inserted: list[list[int]] = []
 
         D = self._DEPTHS
-        dix = [min(j, D - 1) for j in range(budget)]   # depth index of position j (depth j+1)
+        dix = [min(j, D - 1) for j in range(depth)]   # depth index of position j (depth j+1)
 
         def insert(path: list[int], src: int, per_token: list[int] | None = None, tail_from: int = 1 << 30) -> None:
             """Source `src`, or `per_token` sources; tokens from tail_from on are the window
             tail (source 3). A node that cannot make the top `budget` is not added, nor is
             anything below it (a child never outscores its parent)."""
-            path = path[:budget]
+            path = path[:depth]
             if V is not None and path and not (0 <= min(path) and max(path) < V):
                 path = path[:next(j for j, x in enumerate(path) if not 0 <= x < V)]
             for done in inserted:   # a prefix of an inserted path adds nothing
@@ -535,6 +542,19 @@ class LookaheadProposer(Proposer):
         # kept set holds every kept node's parent, the order is topological, and every prefix
         # of it (the scheduler may cut one) is a tree.
         order = sorted((-node for _, node in top), key=lambda i: (-score[i], i))
+        if widths is not None:
+            kept, room, dep = set(), list(widths), {}
+            for i in order:
+                p = pars[i]
+                if p >= 0 and p not in kept:
+                    continue
+                dep[i] = dep[p] + 1 if p >= 0 else 0
+                if room[dep[i]] > 0:
+                    room[dep[i]] -= 1
+                    kept.add(i)
+                    if len(kept) == keep:
+                        break
+            order = [i for i in order if i in kept]
         new = {old: j for j, old in enumerate(order)}
         tree = DraftTree([toks[i] for i in order], [new[pars[i]] if pars[i] >= 0 else -1 for i in order])
         st.proposed = (tree.tokens, tree.parents, [cls[i] for i in order])

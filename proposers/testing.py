@@ -59,9 +59,11 @@ class ToyEngine:
         self.done: dict[str, _Req] = {}
         self._finished: set[str] = set()
         self._preempted: set[str] = set()
+        self.tags: dict[str, dict | None] = {}
 
-    def add(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> None:
+    def add(self, req_id: str, prompt: Sequence[int], max_tokens: int, tags: dict | None = None) -> None:
         assert prompt and max_tokens >= 1 and req_id not in self.reqs
+        self.tags[req_id] = tags
         p = [int(x) for x in prompt]
         buf = np.empty(len(p) + max_tokens + 1, np.int64)
         buf[:len(p)] = p
@@ -129,7 +131,7 @@ class ToyEngine:
             view = r.buf[:n]
             view.flags.writeable = False
             rows.append(RequestStep(rid, view, sampled, list(drafts), argmax if self.collect_argmax else None,
-                                    parents, accepted_nodes, self._tree_ok(rid)))
+                                    parents, accepted_nodes, self._tree_ok(rid), self.tags.get(rid)))
         ctx = StepContext(rows, self._finished, self._preempted, self.k)
         self._finished, self._preempted = set(), set()
         out = self.proposer.propose(ctx)

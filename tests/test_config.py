@@ -45,6 +45,19 @@ def test_cli_and_yaml_forms(tiny_model, tmp_path):
     assert vc.additional_config[cfg.ADDITIONAL_KEY]["ngram"] == 3
 
 
+def test_bandit_tree_reaches_vllm_config(tiny_model):
+    vc = engine_config(tiny_model, {"method": "bandit_tree", "num_speculative_tokens": 12, "max_depth": 4,
+                                    "max_width": 3, "discount": 0.99, "scope": "field:category",
+                                    "shapes": [[], [1, 1], [3, 1, 1]]})
+    assert vc.speculative_config.method == "custom_class"
+    assert vc.speculative_config.num_speculative_tokens == 12
+    p = vc.additional_config[cfg.ADDITIONAL_KEY]
+    assert (p["node_budget"], p["max_depth"], p["discount"], p["scope"]) == (12, 4, 0.99, "field:category")
+    from vllm_spec_plugins.proposer import build_proposer
+    impl = build_proposer(p)
+    assert impl.shapes == [(), (1, 1), (3, 1, 1)] and impl.scope == "field:category"
+
+
 def test_vllm_methods_unchanged(tiny_model):
     vc = engine_config(tiny_model, {"method": "ngram", "num_speculative_tokens": 3,
                                     "prompt_lookup_max": 3})
@@ -63,6 +76,14 @@ def test_vllm_methods_unchanged(tiny_model):
     ({"method": "oracle"}, ["references", "required"]),
     ({"method": "oracle", "references": "/nonexistent/refs.json"}, ["references", "does not exist"]),
     ({"method": "mamba", "model": "x"}, ["mamba", "not available", "lookahead"]),
+    ({"method": "bandit_tree", "node_budget": 20}, ["node_budget", "num_speculative_tokens"]),
+    ({"method": "bandit_tree", "max_depth": 17}, ["max_depth", "node_budget"]),
+    ({"method": "bandit_tree", "shapes": [[4, 4, 4, 4, 4]]}, ["shapes", "node_budget"]),
+    ({"method": "bandit_tree", "shapes": [[2, 0]]}, ["shapes", "widths >= 1"]),
+    ({"method": "bandit_tree", "drafter": "/models/x"}, ["drafter", "lookahead"]),
+    ({"method": "bandit_tree", "scope": "tenant"}, ["scope", "field:NAME"]),
+    ({"method": "bandit_tree", "discount": 2}, ["discount", "0.5..1.0"]),
+    ({"method": "bandit_tree", "exploration": "lots"}, ["exploration", "number"]),
 ])
 def test_bad_config_refused_before_engine_start(tiny_model, spec, words):
     with pytest.raises(ValueError) as e:

@@ -28,13 +28,15 @@ def references(plain, tmp_path_factory):
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])
-@pytest.mark.parametrize("method", ["oracle", "adversarial", "lookahead", "lookahead_tree"])
+@pytest.mark.parametrize("method", ["oracle", "adversarial", "lookahead", "lookahead_tree", "bandit_tree"])
 def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_prompts, plain, references):
     spec = {"method": method, "num_speculative_tokens": 4}
     if method in ("oracle", "adversarial"):
         spec["references"] = references
     if method == "lookahead_tree":     # full form: pool candidates + Jacobi window as one tree
         spec = {"method": "lookahead", "num_speculative_tokens": 8, "window": 6, "tree": True}
+    if method == "bandit_tree":        # every arm is tried: no speculation, chains, trees
+        spec = {"method": "bandit_tree", "num_speculative_tokens": 16, "exploration": 1.0}
     res = run_isolated(_job(default_model, heldout_prompts, spec, batch_size,
                             report_plugin_state=True))
     got = res["groups"]["all"]
@@ -50,6 +52,10 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
     # per-request state released: only the one trailing probe request may remain
     for worker in res["plugin_state"]:
         assert worker["requests"] <= 1, worker
+    if method == "bandit_tree":
+        (table,) = [t for k, t in res["plugin_state"][0]["bandit"]["tables"].items()
+                    if k.endswith(f"|{batch_size}")]
+        assert min(table["pulls"]) >= 1, table      # none, chains and trees all ran, all exact
 
 
 @pytest.mark.parametrize("drafts", ["chain", "tree"])

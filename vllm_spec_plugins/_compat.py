@@ -52,6 +52,13 @@ SYMBOLS: dict[str, dict[str, tuple[str, ...]]] = {
         "InputBatch.top_k_reqs": (), "InputBatch.bad_words_token_ids": (),
         "InputBatch.token_ids_cpu": (), "InputBatch.num_tokens_no_spec": (),
     },
+    "vllm.distributed.parallel_state": {
+        "get_tp_group": (),
+        "GroupCoordinator.broadcast_object": ("self", "obj", "src"),
+    },
+    "vllm.sampling_params": {
+        "SamplingParams.extra_args": (),
+    },
     "vllm.v1.core.sched.output": {
         "SchedulerOutput.finished_req_ids": (),
         "SchedulerOutput.preempted_req_ids": (),

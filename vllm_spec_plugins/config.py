@@ -38,6 +38,24 @@ METHODS: dict[str, dict[str, Key]] = {
         "tree": Key(False, kind=bool, help="full form: verify pool candidates + Jacobi window as one tree"),
         "tree_nodes": Key(0, 0, 64, int, "tree node budget (0 = num_speculative_tokens)"),
     },
+    "bandit_tree": {
+        "num_speculative_tokens": Key(16, 1, 64, int, "draft tokens the scheduler reserves per request (>= node_budget)"),
+        "drafter": Key("lookahead", kind=str, help="what proposes candidates per depth: 'lookahead' (model-free pool)"),
+        "node_budget": Key(0, 0, 64, int, "max tree nodes per request (0 = num_speculative_tokens)"),
+        "max_depth": Key(6, 1, 64, int, "deepest shape in the generated family"),
+        "max_width": Key(4, 1, 64, int, "widest first level in the generated family"),
+        "shapes": Key([], kind=list, help="explicit shape family: list of width lists ([] in it = no speculation); one shape = fixed"),
+        "backoff": Key(True, kind=bool, help="include the no-speculation arm in the generated family"),
+        "scope": Key("global", kind=str, help="bandit tables: 'global', 'request', or 'field:NAME' (SamplingParams.extra_args[NAME])"),
+        "exploration": Key(0.1, 0.0, 10.0, float, "UCB exploration weight c (times the best mean reward)"),
+        "discount": Key(0.995, 0.5, 1.0, float, "per-step discount of the bandit's counts (memory ~ 1/(1-discount) steps)"),
+        "window": Key(0, 0, 64, int, "drafter: Jacobi window W (0 = deepest shape)"),
+        "ngram": Key(4, 2, 16, int, "drafter: n-gram size N"),
+        "guesses": Key(7, 1, 64, int, "drafter: n-gram candidates kept per key token"),
+        "pool_cap": Key(4096, 16, 1 << 20, int, "drafter: max n-grams per request (LRU eviction)"),
+        "prompt_lookup_min": Key(1, 1, 16, int, "drafter: prompt-lookup min match length"),
+        "prompt_lookup_max": Key(3, 1, 16, int, "drafter: prompt-lookup max match length"),
+    },
     # Test proposers: drafts from a reference file {prompt ids -> plain greedy output ids}.
     "oracle": {
         "num_speculative_tokens": Key(4, 1, 64, int, "draft chain length / tree node budget"),
@@ -53,7 +71,7 @@ METHODS: dict[str, dict[str, Key]] = {
     },
 }
 # Named in the design, not shipped yet: refused with a clear message rather than half-working.
-PLANNED = ("mamba", "cascade", "bandit_tree")
+PLANNED = ("mamba", "cascade")
 # vLLM SpeculativeConfig keys users may still set next to ours.
 PASSTHROUGH = ("enforce_eager", "disable_padded_drafter_batch", "num_speculative_tokens_per_batch_size")
 
@@ -124,6 +142,12 @@ def validate(spec: dict) -> dict:
             raise ValueError(f"speculative_config.{name}={v!r} must be true or false ({key.help})")
         if key.kind is str and not isinstance(v, str):
             raise ValueError(f"speculative_config.{name}={v!r} must be a string ({key.help})")
+        if key.kind is float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"speculative_config.{name}={v!r} must be a number ({key.help})")
+            v = float(v)
+        if key.kind is list and not isinstance(v, list):
+            raise ValueError(f"speculative_config.{name}={v!r} must be a list ({key.help})")
         if key.lo is not None and not (key.lo <= v <= key.hi):
             raise ValueError(f"speculative_config.{name}={v} is out of range for method {method!r}: "
                              f"allowed {key.lo}..{key.hi} ({key.help})")
@@ -142,11 +166,41 @@ def validate(spec: dict) -> dict:
                              f"num_speculative_tokens + 1 = {out['num_speculative_tokens'] + 1}")
         if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
             raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
+    if method == "bandit_tree":
+        _check_bandit(out)
     if method in ("oracle", "adversarial") and out["tree_nodes"] and not out["tree_depth"] <= out["tree_nodes"] <= out["num_speculative_tokens"]:
         raise ValueError("speculative_config: need tree_depth <= tree_nodes <= num_speculative_tokens")
     if out.get("references"):
         _check_readable(out["references"], "references")
     return out
+
+
+def _check_bandit(out: dict) -> None:
+    k = out["num_speculative_tokens"]
+    budget = out["node_budget"] = out["node_budget"] or k
+    if budget > k:
+        raise ValueError(f"speculative_config.node_budget={budget} must be <= num_speculative_tokens={k} "
+                         "(the scheduler's draft budget)")
+    for name in ("max_depth", "max_width"):
+        if out[name] > budget:
+            raise ValueError(f"speculative_config.{name}={out[name]} must be <= node_budget={budget}")
+    if out["drafter"] != "lookahead":
+        raise ValueError(f"speculative_config.drafter={out['drafter']!r}: this release drafts bandit_tree "
+                         "candidates with 'lookahead' only (model drafters come with the drafter pipeline)")
+    scope = out["scope"]
+    if not (scope in ("global", "request") or (scope.startswith("field:") and len(scope) > 6)):
+        raise ValueError(f"speculative_config.scope={scope!r} must be 'global', 'request' or 'field:NAME'")
+    for s in out["shapes"]:
+        if not isinstance(s, list) or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in s):
+            raise ValueError(f"speculative_config.shapes: each shape is a list of widths >= 1 (nodes per depth), got {s!r}")
+        if sum(s) > budget:
+            raise ValueError(f"speculative_config.shapes: shape {s} has {sum(s)} nodes > node_budget={budget}")
+    if out["window"] > k:
+        raise ValueError(f"speculative_config.window={out['window']} must be <= num_speculative_tokens={k}")
+    if out["ngram"] > k + 1:
+        raise ValueError(f"speculative_config.ngram={out['ngram']} must be <= num_speculative_tokens + 1 = {k + 1}")
+    if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
+        raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
 
 
 def _check_readable(path: str, field: str) -> None:

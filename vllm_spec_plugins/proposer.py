@@ -22,6 +22,11 @@ def build_proposer(params: dict) -> Proposer:
         if not p.get("tree"):
             p.pop("tree", None), p.pop("tree_nodes", None)
         return LookaheadProposer(k, vocab_size=vocab, **p)
+    if method == "bandit_tree":
+        from vllm_spec_plugins.proposers.bandit import BanditTreeProposer
+        p.pop("drafter")   # validated: "lookahead"
+        shapes = p.pop("shapes") or None
+        return BanditTreeProposer(k, vocab_size=vocab, shapes=shapes, **p)
     if method in ("oracle", "adversarial"):
         from vllm_spec_plugins.proposers import testing
         refs = testing.load_references(p["references"]) if p["references"] else {}
@@ -60,6 +65,13 @@ def _first_path(tree) -> list[int]:
         cur = nxt
 
 
+def _broadcast_from_rank0(obj):
+    """Tensor parallel: choices that depend on measured time (bandit arms) must be the same on
+    every rank, or ranks would build different trees for the same scheduled tokens."""
+    from vllm.distributed.parallel_state import get_tp_group
+    return get_tp_group().broadcast_object(obj, src=0)
+
+
 class PluginProposer:
     """vLLM-facing adapter. Holds the only private state vLLM cannot page (inside `impl`)."""
 
@@ -75,6 +87,8 @@ class PluginProposer:
         self.needs_target_argmax = self.impl.needs_target_argmax
         self.max_model_len = vllm_config.model_config.max_model_len
         self._argmax: list[list[int]] | None = None
+        if hasattr(self.impl, "sync") and vllm_config.parallel_config.tensor_parallel_size > 1:
+            self.impl.sync = _broadcast_from_rank0
         self.trees: dict = {}     # req_id -> DraftTree proposed last step (verified next step)
         logger.info("vllm-spec-plugins: %s proposer with %s", params["method"], params)
 
@@ -109,8 +123,10 @@ class PluginProposer:
             drafts = [t for t in scheduled.get(rid, ()) if t >= 0]
             am = argmax[i] if argmax is not None and i < len(argmax) else None
             parents, accepted = verified_trees.get(i, (None, None))
+            sp = getattr(runner.requests.get(rid), "sampling_params", None)
             reqs.append(RequestStep(rid, batch.token_ids_cpu[i, :n], list(sampled_token_ids[i]),
-                                    drafts, am, parents, accepted, tree_eligible(runner, i, rid)))
+                                    drafts, am, parents, accepted, tree_eligible(runner, i, rid),
+                                    getattr(sp, "extra_args", None)))
         finished = set(scheduler_output.finished_req_ids)
         preempted = set(scheduler_output.preempted_req_ids or ())
         for rid in finished | preempted:
@@ -139,5 +155,8 @@ def plugin_state_summary(worker) -> dict:
     if impl is None:
         return {"method": None, "requests": 0, "nbytes": 0}
     nbytes = sum(impl.state_nbytes(r) for r in impl.states) if hasattr(impl, "state_nbytes") else None
-    return {"method": drafter.params["method"], "requests": len(impl.states), "nbytes": nbytes,
-            "req_ids": sorted(impl.states)}
+    out = {"method": drafter.params["method"], "requests": len(impl.states), "nbytes": nbytes,
+           "req_ids": sorted(impl.states)}
+    if hasattr(impl, "inspect"):
+        out["bandit"] = impl.inspect()
+    return out

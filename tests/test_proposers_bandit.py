@@ -1,0 +1,174 @@
+"""bandit_tree: shape family, discounted UCB, shaped trees from the lookahead pool, lossless in
+the toy engine, and learning from a simulated (measured-by-clock) step cost. No vLLM."""
+import random
+
+import numpy as np
+import pytest
+
+from vllm_spec_plugins.proposers.bandit import (BanditTreeProposer, DiscountedUCB, batch_bucket,
+                                                 shape_family, shape_name)
+from vllm_spec_plugins.proposers.testing import ToyEngine, greedy, pair_table_target
+
+
+def depth_counts(parents):
+    depth = []
+    for p in parents:
+        depth.append(depth[p] + 1 if p >= 0 else 1)
+    return [depth.count(d) for d in range(1, max(depth, default=0) + 1)]
+
+
+def test_shape_family():
+    fam = shape_family(6, 4, 16)
+    assert fam[0] == () and (1,) in fam and (1,) * 6 in fam and (4, 2, 1, 1, 1, 1) in fam
+    assert len(set(fam)) == len(fam)
+    assert all(sum(s) <= 16 and list(s) == sorted(s, reverse=True) for s in fam)
+    assert () not in shape_family(6, 4, 16, backoff=False)
+    small = shape_family(8, 8, 8)
+    assert all(sum(s) <= 8 for s in small) and (1,) * 8 in small and (8, 4) not in small and (5, 2) in small
+    assert shape_name(()) == "none" and shape_name((4, 2, 1)) == "4-2-1"
+    assert [batch_bucket(b) for b in (0, 1, 2, 3, 8, 31, 32, 33)] == [1, 1, 2, 2, 8, 16, 32, 32]
+
+
+def test_ucb_finds_best_arm_and_tracks_drift():
+    rng = random.Random(0)
+    b = DiscountedUCB(4, exploration=0.3, discount=0.99)
+    mu = [1.0, 2.0, 1.5, 0.5]
+    picks = []
+    for _ in range(1500):
+        a = b.choose()
+        picks.append(a)
+        b.update(a, max(rng.gauss(mu[a], 0.5), 0.0))
+    assert picks[500:].count(1) / 1000 > 0.8
+    mu = [1.0, 0.5, 1.5, 3.0]      # the world changes: arm 3 becomes best
+    picks = []
+    for _ in range(1500):
+        a = b.choose()
+        picks.append(a)
+        b.update(a, max(rng.gauss(mu[a], 0.5), 0.0))
+    assert picks[700:].count(3) / 800 > 0.8
+
+
+def test_shaped_tree_respects_widths_and_is_lossless():
+    V = 50
+    f = pair_table_target(V, 3, 0.1, branching=3)
+    for shape in [(1, 1, 1, 1), (2, 1, 1), (4, 2, 1, 1, 1, 1), (3, 3, 3)]:
+        p = BanditTreeProposer(16, shapes=[shape], vocab_size=V)
+        eng = ToyEngine(p, f, vocab_size=V)
+        seen = []
+        orig = p.propose
+
+        def spy(ctx, orig=orig):
+            out = orig(ctx)
+            seen.extend(d for d in out if hasattr(d, "parents"))
+            return out
+        p.propose = spy
+        prompt = np.random.default_rng(1).integers(0, V, 24).tolist()
+        eng.add("r", prompt, 200)
+        while eng.reqs:
+            eng.step()
+        assert eng.done["r"].out == greedy(f, prompt, 200)
+        assert seen
+        for t in seen:
+            counts = depth_counts(list(t.parents))
+            assert len(counts) <= len(shape) and all(c <= w for c, w in zip(counts, shape)), (shape, counts)
+        if shape[0] > 1:
+            assert max(depth_counts(list(t.parents))[0] for t in seen) > 1   # it does branch
+
+
+def test_no_speculation_arm_drafts_nothing_and_stays_lossless():
+    f = pair_table_target(50, 0, 0.1)
+    p = BanditTreeProposer(8, shapes=[[]], vocab_size=50)
+    eng = ToyEngine(p, f, vocab_size=50)
+    eng.add("r", list(range(10)), 60)
+    while eng.reqs:
+        assert all(d == [] for d in eng.step())
+    assert eng.done["r"].out == greedy(f, list(range(10)), 60)
+
+
+class CostClock:
+    """A step costs base + per_token * (1 + drafted nodes) per request: the bandit reads it as
+    measured time between two proposals."""
+
+    def __init__(self, base, per_token):
+        self.t, self.base, self.per_token = 0.0, base, per_token
+
+    def __call__(self):
+        return self.t
+
+    def charge(self, out):
+        self.t += self.base + self.per_token * sum(1 + len(d) for d in out)
+
+
+def run_bandit(p, clock, f, prompts, max_tokens, tags=None):
+    eng = ToyEngine(p, f, vocab_size=50)
+    for i, pr in enumerate(prompts):
+        eng.add(f"r{i}", pr, max_tokens, tags[i] if tags else None)
+    while eng.reqs:
+        clock.charge(eng.step())
+    eng.flush()
+    for i, pr in enumerate(prompts):
+        assert eng.done[f"r{i}"].out == greedy(f, pr, max_tokens)
+    return eng
+
+
+def chosen(p, skip=0):
+    arms = [h[3] for h in p.history][skip:]
+    return {shape_name(p.shapes[a]): arms.count(a) / len(arms) for a in set(arms)}
+
+
+def test_bandit_speculates_when_cheap_and_backs_off_when_costly():
+    f = pair_table_target(50, 5, 0.05, branching=3)
+    prompts = [np.random.default_rng(s).integers(0, 50, 24).tolist() for s in range(4)]
+    # verification nearly free (batch 1 on a big model): speculation must win
+    clock = CostClock(1.0, 0.01)
+    p = BanditTreeProposer(16, clock=clock, vocab_size=50)
+    run_bandit(p, clock, f, prompts, 400)
+    share = chosen(p, skip=200)
+    assert share.get("none", 0) < 0.1, share
+    # every drafted token costs as much as a whole step (a saturated batch): back off
+    clock = CostClock(1.0, 1.0)
+    p = BanditTreeProposer(16, clock=clock, vocab_size=50)
+    run_bandit(p, clock, f, prompts, 400)
+    share = chosen(p, skip=100)
+    assert share.get("none", 0) > 0.7, share
+    assert "none" in p.describe() and p.inspect()["tables"]
+
+
+def test_bandit_matches_best_fixed_shape_in_hindsight():
+    """Where the last token leaves three options, the learnt shape is within 5% of the best fixed
+    shape of the family in (simulated) time, and accepts at least as much per step as the best
+    static chain of the same drafter."""
+    f = pair_table_target(50, 7, 0.05, branching=3)
+    prompts = [np.random.default_rng(10 + s).integers(0, 50, 24).tolist() for s in range(3)]
+
+    def run(p):
+        clock = CostClock(1.0, 0.005)
+        p.clock = clock
+        eng = run_bandit(p, clock, f, prompts, 1200)
+        return sum(len(r.out) for r in eng.done.values()) / sum(r.steps for r in eng.done.values()), clock.t
+    fixed = {s: run(BanditTreeProposer(16, shapes=[list(s)], vocab_size=50)) for s in shape_family(6, 4, 16)}
+    tau, seconds = run(BanditTreeProposer(16, vocab_size=50))
+    best_chain = max(t for s, (t, _) in fixed.items() if s and max(s) == 1)
+    assert tau >= best_chain, (tau, fixed)
+    assert seconds <= 1.05 * min(sec for _, sec in fixed.values()), (seconds, fixed)
+
+
+def test_scopes_keep_separate_tables_and_free_per_request_state():
+    f = pair_table_target(50, 2, 0.1)
+    prompts = [np.random.default_rng(s).integers(0, 50, 16).tolist() for s in range(4)]
+    clock = CostClock(1.0, 0.05)
+    p = BanditTreeProposer(8, clock=clock, scope="field:category", vocab_size=50)
+    run_bandit(p, clock, f, prompts, 50, tags=[{"category": c} for c in ("chat", "code", "chat", None)])
+    assert {k for k, _ in p.tables} == {"chat", "code", "global"}
+    clock = CostClock(1.0, 0.05)
+    p = BanditTreeProposer(8, clock=clock, scope="request", vocab_size=50)
+    eng = run_bandit(p, clock, f, prompts, 50)
+    eng.flush()
+    assert p.tables == {} and p.states == {} and p.pending == {}
+
+
+@pytest.mark.parametrize("kwargs", [dict(node_budget=20), dict(shapes=[[0, 1]]), dict(shapes=[[8, 8, 8]]),
+                                    dict(scope="field:"), dict(discount=0.0), dict(max_depth=17)])
+def test_validation(kwargs):
+    with pytest.raises(ValueError, match="bandit_tree"):
+        BanditTreeProposer(16, **kwargs)

@@ -8,10 +8,10 @@ at most `widths[d]` nodes at depth d+1 (`LookaheadProposer._propose_tree`). The 
 trees within the node budget.
 
 The bandit is discounted UCB (Garivier & Moulines 2011) over that family, one table per
-context = (traffic key, batch-size bucket). Reward of a step = tokens the step produced for a
-request (accepted drafts + 1) / the step's measured wall time (drafting + the target's verify
-pass + everything else between two proposals), averaged over the requests that used the arm:
-tokens per second per request slot, which is what a user pays for. Why UCB, discounted:
+context = (traffic key, batch-size bucket). Reward of a step = tokens the step produced per
+request that used the arm (accepted drafts + 1), over the step's measured wall time (drafting +
+the target's verify pass + everything else between two proposals); an arm's value is the ratio
+of the discounted sums: tokens per second per request slot, which is what a user pays for. Why UCB, discounted:
 * the reward is a ratio of a small count and a noisy time, with no convenient conjugate model
   for Thompson sampling, while UCB only needs a scale (the best arm's mean here);
 * the best shape drifts with the text (a code block, then prose) and across requests; a
@@ -57,35 +57,62 @@ def shape_name(s: tuple) -> str:
 
 
 class DiscountedUCB:
-    """Arms 0..n-1; per arm a discounted count and reward sum. choose(): an untried (or fully
-    forgotten) arm first, then argmax mean + c * best_mean * sqrt(2 ln N / n_a)."""
+    """Arms 0..n-1. An arm's value is its rate: mean tokens per step / mean seconds per step, each
+    mean a discounted one (a ratio of means: one slow hiccup does not sink an arm the way it
+    sinks a mean of per-step ratios). Tokens and seconds are observed separately, because tokens
+    are also known for arms that were not pulled: a shape whose tree is a subset of the verified
+    one would have accepted exactly the verified accepted nodes inside it (`step(tokens=...)`),
+    and "no speculation" always makes 1. Seconds are only measured for the pulled arm, and its
+    first `warmup` measurements are dropped: the first steps of a new token count pay one-off
+    kernel set-up (oneDNN here, CUDA graphs / autotuning on GPUs).
 
-    def __init__(self, n_arms: int, exploration: float, discount: float):
-        self.c, self.g = exploration, discount
-        self.n = [0.0] * n_arms
-        self.s = [0.0] * n_arms
+    choose(allowed): an arm without a time or token measurement first, then
+    argmax rate + c * best_rate * sqrt(2 ln N / n_a), n_a = min(token obs., 4 x time obs.):
+    per-step time is a few times less noisy than per-step tokens."""
+
+    def __init__(self, n_arms: int, exploration: float, discount: float, warmup: int = 1):
+        self.c, self.g, self.warmup = exploration, discount, warmup
+        self.ntok = [0.0] * n_arms
+        self.tok = [0.0] * n_arms
+        self.nsec = [0.0] * n_arms
+        self.sec = [0.0] * n_arms
         self.pulls = [0] * n_arms
 
-    def choose(self) -> int:
-        for a, n in enumerate(self.n):
-            if n < 1e-3:
-                return a
-        means = [s / n for s, n in zip(self.s, self.n)]
-        scale = max(means) or 1.0
-        log_n = math.log(sum(self.n))
-        ucb = [m + self.c * scale * math.sqrt(2 * max(log_n, 0.0) / n) for m, n in zip(means, self.n)]
-        return max(range(len(ucb)), key=ucb.__getitem__)
+    def rate(self, a: int) -> float | None:
+        if self.ntok[a] < 1e-9 or self.nsec[a] < 1e-9 or self.sec[a] <= 0:
+            return None
+        return (self.tok[a] / self.ntok[a]) / (self.sec[a] / self.nsec[a])
 
-    def update(self, arm: int, reward: float) -> None:
+    def choose(self, allowed: list[int] | None = None) -> int:
+        arms = range(len(self.ntok)) if allowed is None else allowed
+        for a in arms:
+            if self.nsec[a] < 1e-3 or self.ntok[a] < 1e-3:
+                return a
+        rates = {a: self.rate(a) or 0.0 for a in arms}
+        scale = max(rates.values()) or 1.0
+        n = {a: min(self.ntok[a], 4 * self.nsec[a]) for a in arms}
+        log_n = math.log(max(sum(self.nsec[a] for a in arms), 1.0))
+        return max(arms, key=lambda a: rates[a] + self.c * scale * math.sqrt(2 * log_n / n[a]))
+
+    def step(self, arm: int, seconds: float, tokens: dict[int, float]) -> None:
+        """One step: `arm` was pulled and took `seconds`; `tokens` {arm: tokens per request}
+        for the pulled arm and every arm whose outcome is known."""
         g = self.g
-        self.n = [n * g for n in self.n]
-        self.s = [s * g for s in self.s]
-        self.n[arm] += 1.0
-        self.s[arm] += reward
+        self.ntok = [x * g for x in self.ntok]
+        self.tok = [x * g for x in self.tok]
+        self.nsec = [x * g for x in self.nsec]
+        self.sec = [x * g for x in self.sec]
+        for a, t in tokens.items():
+            self.ntok[a] += 1.0
+            self.tok[a] += t
         self.pulls[arm] += 1
+        if self.pulls[arm] > self.warmup:
+            self.nsec[arm] += 1.0
+            self.sec[arm] += seconds
 
     def means(self) -> list[float | None]:
-        return [s / n if n > 1e-9 else None for s, n in zip(self.s, self.n)]
+        """Rate of each arm (tokens per second per request), None while unmeasured."""
+        return [self.rate(a) for a in range(len(self.ntok))]
 
 
 def batch_bucket(b: int) -> int:
@@ -99,8 +126,9 @@ class BanditTreeProposer(LookaheadProposer):
     `SamplingParams.extra_args[NAME]`, e.g. a traffic category; missing -> "global")."""
 
     def __init__(self, num_speculative_tokens: int, max_depth: int = 6, max_width: int = 4,
-                 node_budget: int | None = None, shapes: list | None = None, exploration: float = 0.1,
+                 node_budget: int | None = None, shapes: list | None = None, exploration: float = 0.05,
                  discount: float = 0.995, scope: str = "global", backoff: bool = True,
+                 batch_node_budget: int = 64,
                  log_every: int = 500, history: int = 20000, clock=time.perf_counter, **lookahead):
         budget = node_budget or num_speculative_tokens
         if not 1 <= budget <= num_speculative_tokens:
@@ -125,7 +153,13 @@ class BanditTreeProposer(LookaheadProposer):
         lookahead["window"] = min(lookahead.get("window") or depth, num_speculative_tokens)
         lookahead["ngram"] = min(lookahead.get("ngram") or 4, num_speculative_tokens + 1)
         super().__init__(num_speculative_tokens, tree=True, tree_nodes=budget, **lookahead)
+        if batch_node_budget < 1:
+            raise ValueError("bandit_tree: batch_node_budget must be >= 1")
         self.shapes, self.exploration, self.discount, self.scope = shapes, exploration, discount, scope
+        self.batch_node_budget = batch_node_budget
+        self._allowed: dict[int, list[int]] = {}
+        self.none_arm = self.shapes.index(()) if () in self.shapes else None
+        self.subsets: dict[str, tuple] = {}   # req id -> (nodes, is chain, {arm: node set}) drafted last step
         self.tables: dict[tuple, DiscountedUCB] = {}
         self.pending: dict[tuple, tuple[int, list[str]]] = {}   # context -> (arm, request ids) of last step
         self.last_start: float | None = None
@@ -147,11 +181,26 @@ class BanditTreeProposer(LookaheadProposer):
 
     def release(self, req_id: str) -> None:
         super().release(req_id)
+        self.subsets.pop(req_id, None)
         if self.scope == "request":
             for ctx in [c for c in self.tables if c[0] == req_id]:
                 del self.tables[ctx]
             for ctx in [c for c in self.pending if c[0] == req_id]:
                 del self.pending[ctx]
+
+    def allowed(self, bucket: int) -> list[int]:
+        """Arms whose nodes fit the batch's share of `batch_node_budget` (at least the smallest
+        arms): at large batches every draft token costs real compute, and exploring a 16-node
+        tree for 32 requests costs more than it can teach."""
+        a = self._allowed.get(bucket)
+        if a is None:
+            cap = max(self.batch_node_budget // bucket, 1)
+            a = [i for i, s in enumerate(self.shapes) if sum(s) <= cap]
+            if not a:
+                least = min(sum(s) for s in self.shapes)
+                a = [i for i, s in enumerate(self.shapes) if sum(s) == least]
+            a = self._allowed[bucket] = a
+        return a
 
     def table(self, ctx: tuple) -> DiscountedUCB:
         t = self.tables.get(ctx)
@@ -167,10 +216,10 @@ class BanditTreeProposer(LookaheadProposer):
         live = [r for r in ctx.requests if r.sampled]
         if self.last_start is not None and self.pending:
             self._reward(live, now - self.last_start)
-        self.pending = {}
+        self.pending, self.subsets = {}, {}
         bucket = batch_bucket(len(live))
         keys = sorted({self.key_of(r) for r in live})
-        arms = {kk: self.table((kk, bucket)).choose() for kk in keys}
+        arms = {kk: self.table((kk, bucket)).choose(self.allowed(bucket)) for kk in keys}
         if self.sync is not None:
             arms = self.sync(arms)
         k = min(self.k, ctx.num_speculative_tokens or self.k)
@@ -187,7 +236,16 @@ class BanditTreeProposer(LookaheadProposer):
             arm = arms[kk]
             self.pending.setdefault((kk, bucket), (arm, []))[1].append(req.req_id)
             shape = self.shapes[arm]
-            out.append(self._propose_tree(st, req, k, list(shape)) if shape and k else [])
+            if not shape or not k:
+                out.append([])
+                continue
+            subs: dict[int, frozenset] = {}
+            also = {a: self.shapes[a] for a in self.allowed(bucket) if a != arm and self.shapes[a]}
+            tree = self._propose_tree(st, req, k, list(shape), also, subs)
+            if len(tree):
+                chain = all(p == i - 1 for i, p in enumerate(tree.parents))
+                self.subsets[req.req_id] = (len(tree), chain, subs)
+            out.append(tree)
         self.steps += 1
         self.last_start = now
         self.draft_seconds += self.clock() - now
@@ -198,14 +256,39 @@ class BanditTreeProposer(LookaheadProposer):
     def _reward(self, live: list[RequestStep], seconds: float) -> None:
         if seconds <= 0:
             return
-        made = {r.req_id: len(r.sampled) for r in live}
+        by_id = {r.req_id: r for r in live}
         for (kk, bucket), (arm, rids) in self.pending.items():
-            got = [made[r] for r in rids if r in made]
-            if not got:
+            got: dict[int, list[float]] = {}
+            for rid in rids:
+                r = by_id.get(rid)
+                if r is None:
+                    continue
+                got.setdefault(arm, []).append(len(r.sampled))
+                for a, t in self._counterfactual(r).items():
+                    got.setdefault(a, []).append(t)
+            if arm not in got:
                 continue
-            reward = sum(got) / len(got) / seconds
-            self.table((kk, bucket)).update(arm, reward)
-            self.history.append((self.steps, kk, bucket, arm, reward))
+            n = len(got[arm])   # side observations only where known for every request
+            tokens = {a: sum(v) / len(v) for a, v in got.items() if len(v) == n}
+            self.table((kk, bucket)).step(arm, seconds, tokens)
+            self.history.append((self.steps, kk, bucket, arm, tokens[arm] / seconds))
+
+    def _counterfactual(self, r: RequestStep) -> dict[int, int]:
+        """Tokens other arms would have made for request `r` last step: "no speculation" 1; a
+        shape whose tree was a subset of the verified tree, its accepted nodes + 1."""
+        out = {self.none_arm: 1} if self.none_arm is not None else {}
+        rec = self.subsets.get(r.req_id)
+        if rec is None or len(r.drafts) != rec[0]:   # nothing drafted, or cut by the scheduler
+            return out
+        if r.tree_parents is not None:
+            acc = set(r.accepted_nodes or ())
+        elif rec[1]:                                 # a chain was drafted and verified
+            acc = set(range(r.num_accepted))
+        else:
+            return out
+        for a, nodes in rec[2].items():
+            out[a] = len(acc & nodes) + 1
+        return out
 
     # ---- inspection ----------------------------------------------------------------------------
     def describe(self) -> str:

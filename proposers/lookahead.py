@@ -449,12 +449,15 @@ class LookaheadProposer(Proposer):
                 gram.reverse()
                 add(tuple(gram))
 
-    def _propose_tree(self, st: _State, req: RequestStep, k: int,
-                      widths: "list[int] | None" = None) -> "DraftTree | list[int]":
+    def _propose_tree(self, st: _State, req: RequestStep, k: int, widths: "list[int] | None" = None,
+                      also: "dict | None" = None, subsets: "dict | None" = None) -> "DraftTree | list[int]":
         """The draft tree: candidates merged as a trie, each node scored with its estimated
         probability of acceptance, the best `min(tree_nodes, k)` nodes kept, best first.
         `widths` (a shape: at most widths[d] nodes at depth d+1, depth <= len(widths)) keeps,
-        best first, every node whose parent is kept and whose depth still has room."""
+        best first, every node whose parent is kept and whose depth still has room. `also`
+        {name: shape}: other shapes; for each whose tree is a subset of this one (so its
+        acceptance is known once this tree is verified), `subsets[name]` receives its node
+        indices in the returned tree."""
         from vllm_spec_plugins.scorers.tree import DraftTree
 
         if st.tries is None:
@@ -543,19 +546,38 @@ class LookaheadProposer(Proposer):
         # of it (the scheduler may cut one) is a tree.
         order = sorted((-node for _, node in top), key=lambda i: (-score[i], i))
         if widths is not None:
-            kept, room, dep = set(), list(widths), {}
-            for i in order:
-                p = pars[i]
-                if p >= 0 and p not in kept:
-                    continue
-                dep[i] = dep[p] + 1 if p >= 0 else 0
-                if room[dep[i]] > 0:
-                    room[dep[i]] -= 1
-                    kept.add(i)
-                    if len(kept) == keep:
-                        break
+            kept = _select(order, pars, widths, keep)
+            if also:
+                others = {}
+                for name, shape in also.items():
+                    if len(shape) <= len(widths):
+                        sub = _select(order, pars, shape, min(keep, sum(shape)))
+                        if sub <= kept:
+                            others[name] = sub
             order = [i for i in order if i in kept]
+            if also and subsets is not None:
+                pos = {old: j for j, old in enumerate(order)}
+                for name, sub in others.items():
+                    subsets[name] = frozenset(pos[i] for i in sub)
         new = {old: j for j, old in enumerate(order)}
         tree = DraftTree([toks[i] for i in order], [new[pars[i]] if pars[i] >= 0 else -1 for i in order])
         st.proposed = (tree.tokens, tree.parents, [cls[i] for i in order])
         return tree
+
+
+def _select(order: list[int], pars: list[int], widths, keep: int) -> set[int]:
+    """Nodes kept by a shape: best first (`order`), a node needs its parent kept and room at its
+    depth (at most widths[d] nodes at depth d+1); at most `keep` nodes."""
+    kept: set[int] = set()
+    room, dep = list(widths), {}
+    for i in order:
+        p = pars[i]
+        if p >= 0 and p not in kept:
+            continue
+        d = dep[i] = dep[p] + 1 if p >= 0 else 0
+        if d < len(room) and room[d] > 0:
+            room[d] -= 1
+            kept.add(i)
+            if len(kept) == keep:
+                break
+    return kept

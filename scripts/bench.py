@@ -22,6 +22,8 @@ DEFAULT_CONFIGS = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     "lookahead": {"method": "lookahead", "num_speculative_tokens": 6},
+    "lookahead_tree": {"method": "lookahead", "num_speculative_tokens": 8, "window": 6, "ngram": 4, "tree": True},
+    "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 16},
     # vLLM's own draft_model with the target's first 6 layers (no training: a baseline);
     # the drafter folder is built on first use.
     "draft_model": lambda model: {"method": "draft_model", "num_speculative_tokens": 3,
@@ -53,6 +55,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="bench.json", help="output JSON")
     p.add_argument("--plot", default=None, help="output PNG (default: next to --json)")
+    p.add_argument("--sweep", action="append", default=[], metavar="NAME",
+                   help="for bandit_tree method NAME: also run every shape of its family as a fixed "
+                        "shape (NAME@shape), and report the bandit against the best of them in hindsight")
+    p.add_argument("--no-plain-rerun", action="store_true",
+                   help="measure plain once (default: first and last, tokens/s averaged: the machine drifts)")
     return p.parse_args(argv)
 
 
@@ -71,7 +78,30 @@ def method_configs(args, model: str) -> dict:
         out[name] = configs[name](model) if callable(configs[name]) else configs[name]
     if "plain" not in out:
         out = {"plain": None, **out}
+    for name in args.sweep:
+        spec = out.get(name)
+        if not spec or spec.get("method") != "bandit_tree":
+            raise SystemExit(f"--sweep {name}: not a bandit_tree method of this run")
+        for shape in bandit_family(spec):
+            out[f"{name}@{shape_name(shape)}"] = {**spec, "shapes": [list(shape)]}
     return out
+
+
+def bandit_family(spec: dict) -> list[tuple]:
+    from vllm_spec_plugins.config import validate
+    from vllm_spec_plugins.proposers.bandit import shape_family
+    p = validate(spec)
+    if p["shapes"]:
+        return [tuple(x) for x in p["shapes"]]
+    return shape_family(p["max_depth"], p["max_width"], p["node_budget"], p["backoff"])
+
+
+def shape_name(shape) -> str:
+    return "-".join(map(str, shape)) if shape else "none"
+
+
+def is_bandit(spec) -> bool:
+    return isinstance(spec, dict) and spec.get("method") == "bandit_tree"
 
 
 def load_groups(args) -> dict:
@@ -154,6 +184,98 @@ def print_table(results, cats):
                   f"{r['tau']:.2f} | {r['acceptance_rate']:.2f} | {pp} | {ident} |")
 
 
+def bandit_report(results, raw, configs, args) -> None:
+    """Per bandit_tree method: its tables (pulls and mean reward by shape) and, per category,
+    tau against the best static chain of the same drafter and tokens/s against the best fixed
+    shape of its family in hindsight (from --sweep)."""
+    for name, spec in configs.items():
+        if not is_bandit(spec) or "@" in name:
+            continue
+        states = [w.get("bandit") for w in raw[name].get("plugin_state", []) if w.get("bandit")]
+        if not states:
+            continue
+        st = states[0]
+        raw[name]["bandit_state"] = st
+        shapes = [shape_name(s) for s in st["shapes"]]
+        tables = {k: {shapes[a]: {"pulls": t["pulls"][a], "mean_reward": t["mean_reward"][a]}
+                      for a in range(len(shapes))} for k, t in st["tables"].items()}
+        fixed = {n: r for n, r in results.items() if n.startswith(name + "@")}
+        chains = {n: r for n, r in fixed.items() if n.split("@")[1] != "none"
+                  and set(n.split("@")[1].split("-")) == {"1"}}
+        chains |= {n: r for n, r in results.items()
+                   if isinstance(configs.get(n), dict) and configs[n].get("method") == "lookahead"
+                   and not configs[n].get("tree")}
+        for cat, row in results[name].items():
+            row["bandit_tables"] = tables
+            if fixed:
+                best = max(fixed, key=lambda n: fixed[n][cat]["tokens_per_s"])
+                row["best_fixed_shape"] = best.split("@")[1]
+                row["vs_best_fixed_shape"] = row["tokens_per_s"] / fixed[best][cat]["tokens_per_s"]
+            if chains:
+                bc = max(chains, key=lambda n: chains[n][cat]["tau"])
+                row["best_static_chain"] = bc
+                row["tau_vs_best_static_chain"] = row["tau"] / chains[bc][cat]["tau"]
+
+
+def print_bandit(results, cats):
+    for name, rows in results.items():
+        if "bandit_tables" not in next(iter(rows.values())):
+            continue
+        print(f"\n{name}:")
+        for cat in cats:
+            r = rows[cat]
+            parts = [f"tau {r['tau']:.2f}"]
+            if "best_static_chain" in r:
+                parts.append(f"{r['tau_vs_best_static_chain']:.2f}x tau of best chain ({r['best_static_chain']})")
+            if "best_fixed_shape" in r:
+                parts.append(f"{r['vs_best_fixed_shape']:.2f}x tok/s of best fixed shape ({r['best_fixed_shape']})")
+            print(f"  {cat}: " + ", ".join(parts))
+        for key, arms in next(iter(rows.values()))["bandit_tables"].items():
+            print(f"  table {key}: " + ", ".join(
+                f"{s} {a['pulls']}x" + (f" @{a['mean_reward']:.1f}" if a["mean_reward"] is not None else "")
+                for s, a in arms.items()))
+
+
+def plot_bandit(raw, path, title):
+    """Chosen shape over engine steps (category boundaries marked) and mean reward by shape."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    st = raw["bandit_state"]
+    shapes = [shape_name(s) for s in st["shapes"]]
+    hist = st["history"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    ax = axes[0]
+    if hist:
+        steps = np.array([h[0] for h in hist])
+        arms = np.array([h[3] for h in hist])
+        buckets = sorted({h[2] for h in hist})
+        for b in buckets:
+            m = np.array([h[2] == b for h in hist])
+            ax.scatter(steps[m], arms[m], s=6, label=f"batch >= {b}")
+        if len(buckets) > 1:
+            ax.legend(loc="upper right", fontsize=7)
+    for cat, s0 in (raw.get("group_start_step") or {}).items():
+        ax.axvline(s0, color="gray", lw=0.8, ls="--")
+        ax.text(s0, len(shapes) - 0.5, " " + cat, fontsize=8, va="top")
+    ax.set_yticks(range(len(shapes)), shapes)
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("shape chosen (nodes per depth)")
+    ax = axes[1]
+    keys = list(st["tables"])
+    w = 0.8 / max(len(keys), 1)
+    for j, k in enumerate(keys):
+        means = [m if m is not None else 0.0 for m in st["tables"][k]["mean_reward"]]
+        ax.barh(np.arange(len(shapes)) + j * w, means, w, label=k)
+    ax.set_yticks(np.arange(len(shapes)) + w * (len(keys) - 1) / 2, shapes)
+    ax.set_xlabel("discounted mean reward (tokens/s per request)")
+    ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def plot(results, cats, path, title):
     import matplotlib
     matplotlib.use("Agg")
@@ -193,15 +315,28 @@ def main(argv=None):
             "seed": args.seed, "sample_seed": args.seed if not greedy else None,
             "max_model_len": args.max_model_len,
             "llm_kwargs": {"enforce_eager": True} if args.eager else {}}
+    base["tag_category"] = True      # extra_args={"category": ...}: bandit_tree's scope may key on it
     env = {"OMP_NUM_THREADS": str(args.threads)}
     raw = {}
-    bar = tqdm(configs.items(), desc="bench", unit="method")
+    runs = list(configs.items()) + ([] if args.no_plain_rerun else [("plain (again)", None)])
+    bar = tqdm(runs, desc="bench", unit="method")
     for name, spec in bar:
         bar.set_postfix_str(name)
         t0 = time.perf_counter()
-        raw[name] = run_isolated({**base, "speculative_config": spec}, env=env)
+        raw[name] = run_isolated({**base, "speculative_config": spec, "report_plugin_state": is_bandit(spec)},
+                                 env=env)
         raw[name]["wall_s"] = time.perf_counter() - t0
+    again = raw.pop("plain (again)", None)
+    plain_runs = {}
+    if again is not None:   # plain's speed = mean of a first and a last run; both are reported
+        for cat, g in raw["plain"]["groups"].items():
+            a, b = g["tokens_per_s"], again["groups"][cat]["tokens_per_s"]
+            plain_runs[cat] = [a, b]
+            g["tokens_per_s"] = (a + b) / 2
     results = {name: summarize(r, raw["plain"], greedy) for name, r in raw.items()}
+    for cat, pair in plain_runs.items():
+        results["plain"][cat]["tokens_per_s_runs"] = pair
+    bandit_report(results, raw, configs, args)
     plain_lp = None
     mismatch = any(not row.get("identical_to_plain", True) for rows in results.values() for row in rows.values())
     if greedy and mismatch:
@@ -213,13 +348,21 @@ def main(argv=None):
                                                                 "n_prompts": {c: len(g) for c, g in groups.items()}},
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                        "python": sys.version.split()[0]},
-           "outputs": {name: {c: g["texts"] for c, g in r["groups"].items()} for name, r in raw.items()}}
+           "outputs": {name: {c: g["texts"] for c, g in r["groups"].items()} for name, r in raw.items()},
+           "bandit": {name: {"state": r["bandit_state"], "group_start_step": r.get("group_start_step")}
+                      for name, r in raw.items() if "bandit_state" in r}}
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
     print_table(results, cats)
+    print_bandit(results, cats)
     png = args.plot or os.path.splitext(args.json)[0] + ".png"
     plot(results, cats, png, f"batch {args.batch_size}, {args.dtype}, T={args.temperature}, "
                              f"{args.max_tokens} tokens")
+    for name in results:
+        if "bandit_state" in raw.get(name, {}):
+            bpng = os.path.splitext(png)[0] + f"_{name.replace('@', '_')}.png"
+            plot_bandit(raw[name], bpng, f"{name}: batch {args.batch_size}, {args.dtype}")
+            print(f"wrote {bpng}")
     print(f"\nwrote {args.json} and {png}")
     return out
 

@@ -36,7 +36,7 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
     if method == "lookahead_tree":     # full form: pool candidates + Jacobi window as one tree
         spec = {"method": "lookahead", "num_speculative_tokens": 8, "window": 6, "tree": True}
     if method == "bandit_tree":        # every arm is tried: no speculation, chains, trees
-        spec = {"method": "bandit_tree", "num_speculative_tokens": 16, "exploration": 1.0}
+        spec = {"method": "bandit_tree", "num_speculative_tokens": 16, "exploration": 1.0, "batch_node_budget": 1024}
     res = run_isolated(_job(default_model, heldout_prompts, spec, batch_size,
                             report_plugin_state=True))
     got = res["groups"]["all"]

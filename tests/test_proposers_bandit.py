@@ -31,20 +31,20 @@ def test_shape_family():
 
 def test_ucb_finds_best_arm_and_tracks_drift():
     rng = random.Random(0)
-    b = DiscountedUCB(4, exploration=0.3, discount=0.99)
+    b = DiscountedUCB(4, exploration=0.2, discount=0.99)
     mu = [1.0, 2.0, 1.5, 0.5]
     picks = []
     for _ in range(1500):
         a = b.choose()
         picks.append(a)
-        b.update(a, max(rng.gauss(mu[a], 0.5), 0.0))
+        b.step(a, 1.0, {a: max(rng.gauss(mu[a], 0.5), 0.0)})
     assert picks[500:].count(1) / 1000 > 0.8
     mu = [1.0, 0.5, 1.5, 3.0]      # the world changes: arm 3 becomes best
     picks = []
     for _ in range(1500):
         a = b.choose()
         picks.append(a)
-        b.update(a, max(rng.gauss(mu[a], 0.5), 0.0))
+        b.step(a, 1.0, {a: max(rng.gauss(mu[a], 0.5), 0.0)})
     assert picks[700:].count(3) / 800 > 0.8
 
 
@@ -125,19 +125,25 @@ def test_bandit_speculates_when_cheap_and_backs_off_when_costly():
     run_bandit(p, clock, f, prompts, 400)
     share = chosen(p, skip=200)
     assert share.get("none", 0) < 0.1, share
-    # every drafted token costs as much as a whole step (a saturated batch): back off
-    clock = CostClock(1.0, 1.0)
+    # every drafted token costs three plain steps (a saturated batch): back off, and end up no
+    # slower than never speculating
+    clock = CostClock(1.0, 3.0)
     p = BanditTreeProposer(16, clock=clock, vocab_size=50)
-    run_bandit(p, clock, f, prompts, 400)
+    run_bandit(p, clock, f, prompts, 1200)
     share = chosen(p, skip=100)
-    assert share.get("none", 0) > 0.7, share
+    assert share["none"] > 0.8, share
+    none_clock = CostClock(1.0, 3.0)
+    run_bandit(BanditTreeProposer(16, shapes=[[]], clock=none_clock, vocab_size=50), none_clock, f, prompts, 1200)
+    assert clock.t <= 1.08 * none_clock.t, (clock.t, none_clock.t)   # exploration included
     assert "none" in p.describe() and p.inspect()["tables"]
+    # at batch 32 only shapes within batch_node_budget / 32 = 2 nodes are ever tried
+    assert [p.shapes[a] for a in p.allowed(32)] == [(), (1,), (1, 1)]
 
 
 def test_bandit_matches_best_fixed_shape_in_hindsight():
-    """Where the last token leaves three options, the learnt shape is within 5% of the best fixed
-    shape of the family in (simulated) time, and accepts at least as much per step as the best
-    static chain of the same drafter."""
+    """Where the last token leaves three options and drafts are nearly free, the bandit's run
+    (exploration included) is within 5% of the best fixed shape of its family in (simulated)
+    time: it optimises tokens per second, not tokens per step."""
     f = pair_table_target(50, 7, 0.05, branching=3)
     prompts = [np.random.default_rng(10 + s).integers(0, 50, 24).tolist() for s in range(3)]
 
@@ -148,8 +154,7 @@ def test_bandit_matches_best_fixed_shape_in_hindsight():
         return sum(len(r.out) for r in eng.done.values()) / sum(r.steps for r in eng.done.values()), clock.t
     fixed = {s: run(BanditTreeProposer(16, shapes=[list(s)], vocab_size=50)) for s in shape_family(6, 4, 16)}
     tau, seconds = run(BanditTreeProposer(16, vocab_size=50))
-    best_chain = max(t for s, (t, _) in fixed.items() if s and max(s) == 1)
-    assert tau >= best_chain, (tau, fixed)
+    assert tau > 2.5, (tau, fixed)          # it speculates deep (fixed: none 1.0, depth 2 <= 2.6)
     assert seconds <= 1.05 * min(sec for _, sec in fixed.values()), (seconds, fixed)
 
 
@@ -172,3 +177,34 @@ def test_scopes_keep_separate_tables_and_free_per_request_state():
 def test_validation(kwargs):
     with pytest.raises(ValueError, match="bandit_tree"):
         BanditTreeProposer(16, **kwargs)
+
+
+def test_side_observations_are_exact_for_sub_shapes():
+    """A verified chain of depth d tells what every shorter chain would have made: the bandit
+    counts those tokens without pulling the shorter arms, and they match a run that pulls them."""
+    f = pair_table_target(50, 1, 0.1)
+    prompt = np.random.default_rng(3).integers(0, 50, 24).tolist()
+    clock = CostClock(1.0, 0.01)
+    p = BanditTreeProposer(8, shapes=[[], [1], [1, 1, 1, 1]], clock=clock, vocab_size=50)
+    table = p.table(("global", 1))
+    table.choose = lambda allowed=None: 2           # always pull the depth-4 chain
+    eng = ToyEngine(p, f, vocab_size=50)
+    eng.add("r", prompt, 300)
+    while eng.reqs:
+        clock.charge(eng.step())
+    acc = eng.done["r"].accepted
+    assert table.pulls[:2] == [0, 0] and table.pulls[2] > 50
+    assert table.ntok[0] > 0 and table.ntok[1] > 0 and table.nsec[1] == 0   # tokens seen, never timed
+    # discount 1: the side observations' means are exact counts from the verified chains
+    p2 = BanditTreeProposer(8, shapes=[[], [1], [1, 1, 1, 1]], clock=CostClock(1.0, 0.01), discount=1.0,
+                            vocab_size=50)
+    t2 = p2.table(("global", 1))
+    t2.choose = lambda allowed=None: 2
+    eng = ToyEngine(p2, f, vocab_size=50)
+    eng.add("r", prompt, 300)
+    while eng.reqs:
+        p2.clock.charge(eng.step())
+    acc = eng.done["r"].accepted[1:-1]     # steps whose verification was rewarded
+    assert t2.tok[0] / t2.ntok[0] == 1.0
+    assert t2.tok[1] / t2.ntok[1] == pytest.approx(np.mean([min(a, 1) + 1 for a in acc]), rel=0.02)
+    assert t2.tok[2] / t2.ntok[2] == pytest.approx(np.mean([a + 1 for a in acc]), rel=0.02)

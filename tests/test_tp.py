@@ -1,26 +1,42 @@
-"""Tensor parallel 2 over `mp` on this CPU: our parameters reach both workers (each runs the
-proposer on identical inputs and drafts the same tokens) and output equals plain vLLM."""
+"""Tensor parallel 2 over `mp` on this CPU, each of our methods: the parameters reach both
+workers, both ranks build the same drafts (bandit_tree: rank 0's arm choices are broadcast, since
+they depend on measured time), and the output equals plain vLLM's."""
 import pytest
 
 from vllm_spec_plugins.runner import run_isolated
 
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+SPECS = {
+    "lookahead": {"method": "lookahead", "num_speculative_tokens": 5, "ngram": 3, "guesses": 5},
+    "lookahead_tree": {"method": "lookahead", "num_speculative_tokens": 8, "window": 6, "tree": True},
+    "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 8, "exploration": 1.0},
+}
+
+
+@pytest.fixture(scope="module")
+def base(default_model, heldout_prompts):
+    return {"model": default_model, "groups": {"all": heldout_prompts[:4]}, "max_tokens": 24,
+            "dtype": "float32", "batch_size": 4, "llm_kwargs": {"enforce_eager": True}}
+
+
+@pytest.fixture(scope="module")
+def plain(base):
+    return run_isolated(base)["groups"]["all"]
 
 
 @pytest.mark.slow
-def test_lookahead_tp2_identical_to_plain(default_model, heldout_prompts):
-    prompts = heldout_prompts[:4]
-    base = {"model": default_model, "groups": {"all": prompts}, "max_tokens": 24, "dtype": "float32",
-            "batch_size": 4, "llm_kwargs": {"enforce_eager": True}}
-    plain = run_isolated(base)["groups"]["all"]
+@pytest.mark.parametrize("name", list(SPECS))
+def test_tp2_identical_to_plain(name, base, plain):
     tp = {**base, "llm_kwargs": {"enforce_eager": True, "tensor_parallel_size": 2,
                                  "distributed_executor_backend": "mp"},
-          "speculative_config": {"method": "lookahead", "num_speculative_tokens": 5, "ngram": 3,
-                                 "guesses": 5},
-          "report_plugin_state": True}
+          "speculative_config": SPECS[name], "report_plugin_state": True}
     res = run_isolated(tp, env=TP_ENV)
     got = res["groups"]["all"]
     assert got["outputs"] == plain["outputs"]
     assert got["drafts"] > 0
     workers = res["plugin_state"]
-    assert len(workers) == 2 and all(w["method"] == "lookahead" for w in workers), workers
+    method = SPECS[name]["method"]
+    assert len(workers) == 2 and all(w["method"] == method for w in workers), workers
+    if method == "bandit_tree":   # the same arms were pulled on both ranks
+        pulls = [{k: t["pulls"] for k, t in w["bandit"]["tables"].items()} for w in workers]
+        assert pulls[0] == pulls[1] and pulls[0], pulls

@@ -160,3 +160,9 @@ def plugin_state_summary(worker) -> dict:
     if hasattr(impl, "inspect"):
         out["bandit"] = impl.inspect()
     return out
+
+
+def plugin_steps(worker) -> int:
+    """For `LLM.collective_rpc`: steps our proposer has taken in this worker (0 if none)."""
+    impl = getattr(getattr(worker.model_runner, "drafter", None), "impl", None)
+    return getattr(impl, "steps", 0)

@@ -63,7 +63,8 @@ def to_token_prompts(tokenizer, rows: list) -> list[list[int]]:
 
 def run(job: dict) -> dict:
     """job: model, speculative_config|None, groups {name: [rows]}, max_tokens, temperature,
-    batch_size, dtype, seed, max_model_len, logprobs(optional), top_k(optional), n(optional)."""
+    batch_size, dtype, seed, max_model_len, logprobs(optional), top_k(optional), n(optional),
+    tag_category (requests carry extra_args={"category": group name})."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -85,9 +86,15 @@ def run(job: dict) -> dict:
     llm.generate([TokensPrompt(prompt_token_ids=tok.encode("Hello"))],
                  SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
     result = {"startup_s": startup, "groups": {}}
+    if job.get("report_plugin_state"):
+        from vllm_spec_plugins.proposer import plugin_steps
     for name, rows in job["groups"].items():
+        if job.get("report_plugin_state"):
+            result.setdefault("group_start_step", {})[name] = llm.collective_rpc(plugin_steps)[0]
         prompts = to_token_prompts(tok, rows)
         per_request = job.get("per_request_params")
+        if job.get("tag_category"):      # SamplingParams.extra_args: a key for bandit_tree's scope
+            params = SamplingParams(**sp, extra_args={"category": name})
         m0 = spec_metrics(llm)
         t0 = time.perf_counter()
         if job.get("abort"):

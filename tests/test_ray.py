@@ -1,0 +1,126 @@
+"""Ray on this CPU machine (vLLM's Ray executor refuses the CPU platform, so its GPU path is
+checked as far as a CPU allows):
+* a local Ray cluster (`ray start --head` on 127.0.0.1, stopped at the end) serving two
+  speculating replicas as Ray actors behind one router: 32 concurrent greedy requests equal a
+  plain single engine's outputs; no Ray/vLLM process or temp dir left behind;
+* vLLM's own Ray worker (`RayWorkerWrapper`, what its Ray executor starts on every GPU) loads
+  our plugin in `init_worker` and receives our method's parameters."""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from vllm_spec_plugins.runner import run_isolated
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 24
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
+              "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
+              "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _procs_matching(text: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if text in line and "ps -eo" not in line]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+    tmp = tempfile.mkdtemp(prefix="rvsp", dir="/tmp")     # short: Ray's socket paths are length-limited
+    port = _free_port()
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+                    "--num-cpus=4", f"--temp-dir={tmp}", "--include-dashboard=false",
+                    "--disable-usage-stats"], check=True, env=env, capture_output=True)
+    ray.init(address=f"127.0.0.1:{port}", logging_level="WARNING")
+    try:
+        yield tmp
+    finally:
+        ray.shutdown()
+        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True)
+        deadline = time.time() + 30
+        while _procs_matching(tmp) and time.time() < deadline:
+            time.sleep(0.5)
+        left = _procs_matching(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        assert not left, f"Ray processes left behind: {left}"
+
+
+def test_two_speculating_replicas_32_concurrent_requests(ray_cluster, default_model):
+    from vllm_spec_plugins.data import make_prompts
+    from vllm_spec_plugins.ray_replicas import ReplicaRouter
+    rows = make_prompts(categories=("chat", "code"), n_per_category=16, split="heldout")
+    plain = run_isolated({"model": default_model, "groups": {"all": rows}, "max_tokens": MAX_TOKENS,
+                          "temperature": 0.0, "batch_size": 32, "dtype": "float32", "max_model_len": 2048,
+                          "llm_kwargs": {"enforce_eager": True}})["groups"]["all"]
+    prompts = plain["prompt_token_ids"]
+    before = set(_procs_matching("VLLM::EngineCore"))
+    router = ReplicaRouter.start(default_model, {"method": "bandit_tree", "num_speculative_tokens": 8},
+                                 replicas=2, env=ENGINE_ENV,
+                                 engine_kwargs={"dtype": "float32", "max_model_len": 2048,
+                                                "enforce_eager": True, "max_num_seqs": 16})
+    try:
+        outs = router.generate_many(prompts, {"max_tokens": MAX_TOKENS, "temperature": 0.0})
+        counters = router.spec_counters()
+    finally:
+        router.shutdown()
+    assert len(outs) == 32
+    for i, (o, ref) in enumerate(zip(outs, plain["outputs"])):
+        assert o["token_ids"] == ref[0], f"request {i} differs from a plain single engine"
+    assert len({o["replica"] for o in outs}) == 2, "both replicas must serve"
+    assert all(c["drafts"] > 0 for c in counters), counters     # both really speculated
+    deadline = time.time() + 30
+    while set(_procs_matching("VLLM::EngineCore")) - before and time.time() < deadline:
+        time.sleep(0.5)
+    assert not set(_procs_matching("VLLM::EngineCore")) - before, "engine processes left behind"
+
+
+def _probe(wrapper):
+    """Runs inside vLLM's RayWorkerWrapper actor (the worker of vLLM's Ray executor)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_spec_plugins import _compat
+    vc = wrapper.worker.vllm_config
+    return {"patched": _compat._patched,
+            "runner_hooked": GPUModelRunner.propose_draft_token_ids.__code__.co_filename.endswith("vllm_spec_plugins/_compat.py"),
+            "method": vc.speculative_config.method, "model": vc.speculative_config.model,
+            "params": (vc.additional_config or {}).get("vllm_spec_plugins"),
+            "pid": os.getpid()}
+
+
+def test_vllm_ray_worker_loads_plugin_and_config(ray_cluster, tiny_model):
+    import cloudpickle
+    import ray
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.executor.ray_utils import RayWorkerWrapper
+
+    from vllm_spec_plugins.ray_replicas import PLUGIN_ENV
+    vc = EngineArgs(model=tiny_model, dtype="float32", max_model_len=512,
+                    speculative_config={"method": "bandit_tree", "num_speculative_tokens": 8,
+                                        "max_width": 2, "scope": "field:tenant"}).create_engine_config()
+    worker = ray.remote(RayWorkerWrapper).options(
+        num_cpus=1, runtime_env={"env_vars": {**PLUGIN_ENV, **ENGINE_ENV}}).remote(rpc_rank=0)
+    try:
+        ray.get(worker.init_worker.remote([{"vllm_config": vc, "local_rank": 0, "rank": 0,
+                                            "distributed_init_method": "tcp://127.0.0.1:0",
+                                            "is_driver_worker": True}]))
+        got = ray.get(worker.execute_method.remote(cloudpickle.dumps(_probe)))
+    finally:
+        ray.kill(worker)
+    assert got["pid"] != os.getpid()
+    assert got["patched"] and got["runner_hooked"]
+    assert (got["method"], got["model"]) == ("custom_class", "vllm_spec_plugins.proposer.PluginProposer")
+    assert got["params"]["method"] == "bandit_tree" and got["params"]["scope"] == "field:tenant"

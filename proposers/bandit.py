@@ -10,8 +10,9 @@ trees within the node budget.
 The bandit is discounted UCB (Garivier & Moulines 2011) over that family, one table per
 context = (traffic key, batch-size bucket). Reward of a step = tokens the step produced per
 request that used the arm (accepted drafts + 1), over the step's measured wall time (drafting +
-the target's verify pass + everything else between two proposals); an arm's value is the ratio
-of the discounted sums: tokens per second per request slot, which is what a user pays for. Why UCB, discounted:
+the target's verify pass + everything else between two proposals; steps that also ran prefill
+work are skipped); an arm's value is the ratio of the discounted sums: tokens per second per
+request slot, which is what a user pays for. Why UCB, discounted:
 * the reward is a ratio of a small count and a noisy time, with no convenient conjugate model
   for Thompson sampling, while UCB only needs a scale (the best arm's mean here);
 * the best shape drifts with the text (a code block, then prose) and across requests; a
@@ -214,7 +215,10 @@ class BanditTreeProposer(LookaheadProposer):
         for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
             self.release(rid)
         live = [r for r in ctx.requests if r.sampled]
-        if self.last_start is not None and self.pending:
+        # A step that also ran prefill work (a prompt chunk, or a prompt finished this step) says
+        # little about the drafts: its time is mostly the prompt. Such steps teach nothing.
+        prefill = any(not r.sampled or r.req_id not in self.states for r in ctx.requests)
+        if self.last_start is not None and self.pending and not prefill:
             self._reward(live, now - self.last_start)
         self.pending, self.subsets = {}, {}
         bucket = batch_bucket(len(live))

@@ -58,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--sweep", action="append", default=[], metavar="NAME",
                    help="for bandit_tree method NAME: also run every shape of its family as a fixed "
                         "shape (NAME@shape), and report the bandit against the best of them in hindsight")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the whole method list this many times, interleaved (A B C A B C ...); "
+                        "tokens/s is the median over repeats (tau does not change)")
     p.add_argument("--no-plain-rerun", action="store_true",
                    help="measure plain once (default: first and last, tokens/s averaged: the machine drifts)")
     return p.parse_args(argv)
@@ -247,13 +250,14 @@ def plot_bandit(raw, path, title):
     hist = st["history"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [2, 1]})
     ax = axes[0]
+    buckets = sorted({int(k.rsplit("|", 1)[1]) for k in st["tables"]} | {h[2] for h in hist})
+    color = {b: f"C{i}" for i, b in enumerate(buckets)}      # one color per batch bucket, both panels
     if hist:
         steps = np.array([h[0] for h in hist])
         arms = np.array([h[3] for h in hist])
-        buckets = sorted({h[2] for h in hist})
         for b in buckets:
             m = np.array([h[2] == b for h in hist])
-            ax.scatter(steps[m], arms[m], s=6, label=f"batch >= {b}")
+            ax.scatter(steps[m], arms[m], s=6, color=color[b], label=f"batch >= {b}")
         if len(buckets) > 1:
             ax.legend(loc="upper right", fontsize=7)
     for cat, s0 in (raw.get("group_start_step") or {}).items():
@@ -263,11 +267,11 @@ def plot_bandit(raw, path, title):
     ax.set_xlabel("engine step")
     ax.set_ylabel("shape chosen (nodes per depth)")
     ax = axes[1]
-    keys = list(st["tables"])
+    keys = sorted(st["tables"], key=lambda k: (k.rsplit("|", 1)[0], int(k.rsplit("|", 1)[1])))
     w = 0.8 / max(len(keys), 1)
     for j, k in enumerate(keys):
         means = [m if m is not None else 0.0 for m in st["tables"][k]["mean_reward"]]
-        ax.barh(np.arange(len(shapes)) + j * w, means, w, label=k)
+        ax.barh(np.arange(len(shapes)) + j * w, means, w, label=k, color=color[int(k.rsplit("|", 1)[1])])
     ax.set_yticks(np.arange(len(shapes)) + w * (len(keys) - 1) / 2, shapes)
     ax.set_xlabel("discounted mean reward (tokens/s per request)")
     ax.legend(fontsize=7)
@@ -318,14 +322,23 @@ def main(argv=None):
     base["tag_category"] = True      # extra_args={"category": ...}: bandit_tree's scope may key on it
     env = {"OMP_NUM_THREADS": str(args.threads)}
     raw = {}
-    runs = list(configs.items()) + ([] if args.no_plain_rerun else [("plain (again)", None)])
-    bar = tqdm(runs, desc="bench", unit="method")
+    runs = list(configs.items()) * args.repeats + ([] if args.no_plain_rerun or args.repeats > 1
+                                                   else [("plain (again)", None)])
+    speeds: dict[str, dict[str, list[float]]] = {}
+    bar = tqdm(runs, desc="bench", unit="run")
     for name, spec in bar:
         bar.set_postfix_str(name)
         t0 = time.perf_counter()
-        raw[name] = run_isolated({**base, "speculative_config": spec, "report_plugin_state": is_bandit(spec)},
-                                 env=env)
-        raw[name]["wall_s"] = time.perf_counter() - t0
+        r = run_isolated({**base, "speculative_config": spec, "report_plugin_state": is_bandit(spec)}, env=env)
+        r["wall_s"] = time.perf_counter() - t0
+        raw.setdefault(name, r)     # the first repeat's outputs and counters
+        for cat, g in r["groups"].items():
+            speeds.setdefault(name, {}).setdefault(cat, []).append(g["tokens_per_s"])
+    if args.repeats > 1:
+        import statistics
+        for name, cats_ in speeds.items():
+            for cat, v in cats_.items():
+                raw[name]["groups"][cat]["tokens_per_s"] = statistics.median(v)
     again = raw.pop("plain (again)", None)
     plain_runs = {}
     if again is not None:   # plain's speed = mean of a first and a last run; both are reported
@@ -335,7 +348,11 @@ def main(argv=None):
             g["tokens_per_s"] = (a + b) / 2
     results = {name: summarize(r, raw["plain"], greedy) for name, r in raw.items()}
     for cat, pair in plain_runs.items():
-        results["plain"][cat]["tokens_per_s_runs"] = pair
+        results["plain"][cat]["tokens_per_s_first_last"] = pair
+    for name, cats_ in speeds.items():
+        for cat, v in cats_.items():
+            if name in results:
+                results[name][cat]["tokens_per_s_repeats"] = v
     bandit_report(results, raw, configs, args)
     plain_lp = None
     mismatch = any(not row.get("identical_to_plain", True) for rows in results.values() for row in rows.values())

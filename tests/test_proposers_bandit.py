@@ -32,20 +32,16 @@ def test_shape_family():
 def test_ucb_finds_best_arm_and_tracks_drift():
     rng = random.Random(0)
     b = DiscountedUCB(4, exploration=0.2, discount=0.99)
-    mu = [1.0, 2.0, 1.5, 0.5]
-    picks = []
-    for _ in range(1500):
-        a = b.choose()
-        picks.append(a)
-        b.step(a, 1.0, {a: max(rng.gauss(mu[a], 0.5), 0.0)})
-    assert picks[500:].count(1) / 1000 > 0.8
-    mu = [1.0, 0.5, 1.5, 3.0]      # the world changes: arm 3 becomes best
-    picks = []
-    for _ in range(1500):
-        a = b.choose()
-        picks.append(a)
-        b.step(a, 1.0, {a: max(rng.gauss(mu[a], 0.5), 0.0)})
-    assert picks[700:].count(3) / 800 > 0.8
+
+    def play(mu, steps=1500):
+        picks = []
+        for _ in range(steps):
+            a = b.choose()
+            picks.append(a)
+            b.step(a, 1.0, {a: max(rng.gauss(mu[a], 0.5), 0.0)})
+        return picks
+    assert play([1.0, 2.0, 1.5, 0.5])[500:].count(1) / 1000 > 0.8
+    assert play([1.0, 0.5, 1.5, 3.0])[700:].count(3) / 800 > 0.8    # the world changes: arm 3 is best
 
 
 def test_shaped_tree_respects_widths_and_is_lossless():

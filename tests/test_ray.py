@@ -88,26 +88,13 @@ def test_two_speculating_replicas_32_concurrent_requests(ray_cluster, default_mo
     assert not set(_procs_matching("VLLM::EngineCore")) - before, "engine processes left behind"
 
 
-def _probe(wrapper):
-    """Runs inside vLLM's RayWorkerWrapper actor (the worker of vLLM's Ray executor)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from vllm_spec_plugins import _compat
-    vc = wrapper.worker.vllm_config
-    return {"patched": _compat._patched,
-            "runner_hooked": GPUModelRunner.propose_draft_token_ids.__code__.co_filename.endswith("vllm_spec_plugins/_compat.py"),
-            "method": vc.speculative_config.method, "model": vc.speculative_config.model,
-            "params": (vc.additional_config or {}).get("vllm_spec_plugins"),
-            "pid": os.getpid()}
-
-
 def test_vllm_ray_worker_loads_plugin_and_config(ray_cluster, tiny_model):
     import cloudpickle
     import ray
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.executor.ray_utils import RayWorkerWrapper
 
-    from vllm_spec_plugins.ray_replicas import PLUGIN_ENV
+    from vllm_spec_plugins.ray_replicas import PLUGIN_ENV, worker_plugin_report
     vc = EngineArgs(model=tiny_model, dtype="float32", max_model_len=512,
                     speculative_config={"method": "bandit_tree", "num_speculative_tokens": 8,
                                         "max_width": 2, "scope": "field:tenant"}).create_engine_config()
@@ -117,7 +104,7 @@ def test_vllm_ray_worker_loads_plugin_and_config(ray_cluster, tiny_model):
         ray.get(worker.init_worker.remote([{"vllm_config": vc, "local_rank": 0, "rank": 0,
                                             "distributed_init_method": "tcp://127.0.0.1:0",
                                             "is_driver_worker": True}]))
-        got = ray.get(worker.execute_method.remote(cloudpickle.dumps(_probe)))
+        got = ray.get(worker.execute_method.remote(cloudpickle.dumps(worker_plugin_report)))
     finally:
         ray.kill(worker)
     assert got["pid"] != os.getpid()

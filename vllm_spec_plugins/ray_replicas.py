@@ -107,3 +107,19 @@ class ReplicaRouter:
         finally:
             for a in self.actors:
                 ray.kill(a)
+
+
+def worker_plugin_report(wrapper) -> dict:
+    """Run inside a vLLM worker wrapper (e.g. `RayWorkerWrapper.execute_method(cloudpickle.dumps(
+    worker_plugin_report))`): whether our plugin is registered and hooked in that process, and the
+    speculative config the worker received."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_spec_plugins import _compat
+    from vllm_spec_plugins.config import ADDITIONAL_KEY
+    vc = wrapper.worker.vllm_config
+    return {"patched": _compat._patched,
+            "runner_hooked": GPUModelRunner.propose_draft_token_ids.__code__.co_filename.endswith(
+                os.path.join("vllm_spec_plugins", "_compat.py")),
+            "method": vc.speculative_config.method, "model": vc.speculative_config.model,
+            "params": (vc.additional_config or {}).get(ADDITIONAL_KEY), "pid": os.getpid()}

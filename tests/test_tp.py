@@ -1,11 +1,15 @@
 """Tensor parallel 2 over `mp` on this CPU, each of our methods: the parameters reach both
 workers, both ranks build the same drafts (bandit_tree: rank 0's arm choices are broadcast, since
-they depend on measured time), and the output equals plain vLLM's."""
+they depend on measured time), and the output equals plain vLLM's. On the tiny test model:
+SmolLM2-135M's 9 attention heads do not split over 2 ranks."""
 import pytest
 
 from vllm_spec_plugins.runner import run_isolated
 
-TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+# VLLM_ALLOW_INSECURE_SERIALIZATION: collective_rpc(plugin_state_summary) sends a function to the
+# worker processes, which vLLM's msgpack transport only pickles when allowed (local test only).
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+          "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 SPECS = {
     "lookahead": {"method": "lookahead", "num_speculative_tokens": 5, "ngram": 3, "guesses": 5},
     "lookahead_tree": {"method": "lookahead", "num_speculative_tokens": 8, "window": 6, "tree": True},
@@ -14,8 +18,8 @@ SPECS = {
 
 
 @pytest.fixture(scope="module")
-def base(default_model, heldout_prompts):
-    return {"model": default_model, "groups": {"all": heldout_prompts[:4]}, "max_tokens": 24,
+def base(tiny_model, heldout_prompts):
+    return {"model": tiny_model, "groups": {"all": heldout_prompts[:4]}, "max_tokens": 24,
             "dtype": "float32", "batch_size": 4, "llm_kwargs": {"enforce_eager": True}}
 
 

@@ -156,7 +156,8 @@ def run_isolated(job: dict, env: dict | None = None, timeout: float = 1800) -> d
     marker = "\n@@RESULT@@"
     if p.returncode != 0 or marker not in p.stdout:
         raise RuntimeError(f"engine run failed (rc={p.returncode}):\n{p.stderr[-4000:]}")
-    return json.loads(p.stdout.split(marker, 1)[1])
+    # worker processes (tensor parallel) may still print at shutdown: read the one JSON object
+    return json.JSONDecoder().raw_decode(p.stdout.split(marker, 1)[1])[0]
 
 
 if __name__ == "__main__":

@@ -35,9 +35,15 @@ def _procs_matching(text: str) -> list[str]:
     return [line for line in out.splitlines() if text in line and "ps -eo" not in line]
 
 
+def _tmp_entries() -> set[str]:
+    """Top-level /tmp entries, minus pytest's and this machine's tool folders."""
+    return {n for n in os.listdir("/tmp") if not n.startswith(("pytest-of-", "bash_jobs"))}
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     import ray
+    before = _tmp_entries()
     tmp = tempfile.mkdtemp(prefix="rvsp", dir="/tmp")     # short: Ray's socket paths are length-limited
     port = _free_port()
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
@@ -57,6 +63,8 @@ def ray_cluster():
         left = _procs_matching(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         assert not left, f"Ray processes left behind: {left}"
+        new = _tmp_entries() - before
+        assert not new, f"files left in /tmp: {sorted(new)[:10]}"
 
 
 def test_two_speculating_replicas_32_concurrent_requests(ray_cluster, default_model):
@@ -68,8 +76,11 @@ def test_two_speculating_replicas_32_concurrent_requests(ray_cluster, default_mo
                           "llm_kwargs": {"enforce_eager": True}})["groups"]["all"]
     prompts = plain["prompt_token_ids"]
     before = set(_procs_matching("VLLM::EngineCore"))
+    # vLLM's engine processes put zmq sockets (and other temp files) under VLLM_RPC_BASE_PATH /
+    # TMPDIR: keep them in the cluster's private folder, removed at the end
+    env = {**ENGINE_ENV, "VLLM_RPC_BASE_PATH": ray_cluster, "TMPDIR": ray_cluster}
     router = ReplicaRouter.start(default_model, {"method": "bandit_tree", "num_speculative_tokens": 8},
-                                 replicas=2, env=ENGINE_ENV,
+                                 replicas=2, env=env,
                                  engine_kwargs={"dtype": "float32", "max_model_len": 2048,
                                                 "enforce_eager": True, "max_num_seqs": 16})
     try:
@@ -98,8 +109,8 @@ def test_vllm_ray_worker_loads_plugin_and_config(ray_cluster, tiny_model):
     vc = EngineArgs(model=tiny_model, dtype="float32", max_model_len=512,
                     speculative_config={"method": "bandit_tree", "num_speculative_tokens": 8,
                                         "max_width": 2, "scope": "field:tenant"}).create_engine_config()
-    worker = ray.remote(RayWorkerWrapper).options(
-        num_cpus=1, runtime_env={"env_vars": {**PLUGIN_ENV, **ENGINE_ENV}}).remote(rpc_rank=0)
+    env = {**PLUGIN_ENV, **ENGINE_ENV, "VLLM_RPC_BASE_PATH": ray_cluster, "TMPDIR": ray_cluster}
+    worker = ray.remote(RayWorkerWrapper).options(num_cpus=1, runtime_env={"env_vars": env}).remote(rpc_rank=0)
     try:
         ray.get(worker.init_worker.remote([{"vllm_config": vc, "local_rank": 0, "rank": 0,
                                             "distributed_init_method": "tcp://127.0.0.1:0",

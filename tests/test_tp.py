@@ -2,6 +2,10 @@
 workers, both ranks build the same drafts (bandit_tree: rank 0's arm choices are broadcast, since
 they depend on measured time), and the output equals plain vLLM's. On the tiny test model:
 SmolLM2-135M's 9 attention heads do not split over 2 ranks."""
+import os
+import shutil
+import tempfile
+
 import pytest
 
 from vllm_spec_plugins.runner import run_isolated
@@ -18,6 +22,19 @@ SPECS = {
 
 
 @pytest.fixture(scope="module")
+def private_tmp():
+    """vLLM's mp executor leaves zmq sockets and dist files under VLLM_RPC_BASE_PATH / TMPDIR:
+    point them at a private folder, remove it, and check nothing else appeared in /tmp."""
+    skip = ("pytest-of-", "bash_jobs")
+    before = {n for n in os.listdir("/tmp") if not n.startswith(skip)}
+    tmp = tempfile.mkdtemp(prefix="tpvsp", dir="/tmp")
+    yield {"VLLM_RPC_BASE_PATH": tmp, "TMPDIR": tmp}
+    shutil.rmtree(tmp, ignore_errors=True)
+    new = {n for n in os.listdir("/tmp") if not n.startswith(skip)} - before
+    assert not new, f"files left in /tmp: {sorted(new)[:10]}"
+
+
+@pytest.fixture(scope="module")
 def base(tiny_model, heldout_prompts):
     return {"model": tiny_model, "groups": {"all": heldout_prompts[:4]}, "max_tokens": 24,
             "dtype": "float32", "batch_size": 4, "llm_kwargs": {"enforce_eager": True}}
@@ -30,11 +47,11 @@ def plain(base):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SPECS))
-def test_tp2_identical_to_plain(name, base, plain):
+def test_tp2_identical_to_plain(name, base, plain, private_tmp):
     tp = {**base, "llm_kwargs": {"enforce_eager": True, "tensor_parallel_size": 2,
                                  "distributed_executor_backend": "mp"},
           "speculative_config": SPECS[name], "report_plugin_state": True}
-    res = run_isolated(tp, env=TP_ENV)
+    res = run_isolated(tp, env={**TP_ENV, **private_tmp})
     got = res["groups"]["all"]
     assert got["outputs"] == plain["outputs"]
     assert got["drafts"] > 0

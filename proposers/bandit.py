@@ -247,8 +247,7 @@ class BanditTreeProposer(LookaheadProposer):
             also = {a: self.shapes[a] for a in self.allowed(bucket) if a != arm and self.shapes[a]}
             tree = self._propose_tree(st, req, k, list(shape), also, subs)
             if len(tree):
-                chain = all(p == i - 1 for i, p in enumerate(tree.parents))
-                self.subsets[req.req_id] = (len(tree), chain, subs)
+                self.subsets[req.req_id] = (len(tree), tree.is_chain, subs)
             out.append(tree)
         self.steps += 1
         self.last_start = now

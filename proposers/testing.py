@@ -12,6 +12,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from vllm_spec_plugins.scorers.tree import is_chain
+
 from .base import Proposer, RequestStep, StepContext
 
 TargetFn = Callable[[tuple], int]
@@ -153,7 +155,7 @@ class ToyEngine:
                 elif self.truncate is not None:
                     m = max(0, int(self.truncate(row.req_id, len(toks))))
                     toks, par = toks[:m], par[:m]
-                stored = list(toks) if _is_chain(par) else (toks, par)
+                stored = list(toks) if is_chain(par) else (toks, par)
             else:
                 toks = [int(x) for x in d]
                 assert len(toks) <= self.k, f"{len(toks)} drafts > k={self.k}"
@@ -344,10 +346,6 @@ class OracleTreeProposer(OracleProposer):
 # ---------------------------------------------------------------------------------------------
 # Draft trees: a tree-verifying toy engine (chains go through `ToyEngine`'s chain path unchanged)
 # ---------------------------------------------------------------------------------------------
-
-
-def _is_chain(parents: Sequence[int]) -> bool:
-    return all(p == i - 1 for i, p in enumerate(parents))
 
 
 TreeToyEngine = ToyEngine   # the name the tree tests use

@@ -58,6 +58,10 @@ class DraftTree:
     def from_chain(cls, tokens: Sequence[int], draft_probs: torch.Tensor | None = None) -> DraftTree:
         return cls(list(tokens), list(range(-1, len(tokens) - 1)), draft_probs)
 
+    @property
+    def is_chain(self) -> bool:
+        return is_chain(self.parents)
+
     def __len__(self) -> int:
         return len(self.tokens)
 
@@ -105,6 +109,11 @@ class DraftTree:
             m[i + 1] = m[p + 1]
             m[i + 1, i + 1] = True
         return torch.from_numpy(m)
+
+
+def is_chain(parents: Sequence[int]) -> bool:
+    """Node i's parent is node i-1 for every node: a chain."""
+    return all(p == i - 1 for i, p in enumerate(parents))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,10 +40,6 @@ def current() -> TreeStep | None:
     return _current
 
 
-def is_chain(tree: DraftTree) -> bool:
-    return all(p == i - 1 for i, p in enumerate(tree.parents))
-
-
 def truncate(tree: DraftTree, m: int) -> DraftTree:
     """The first m nodes (still a tree: nodes are topologically ordered)."""
     if m >= len(tree):
@@ -77,7 +73,7 @@ def begin(runner, scheduler_output, pending: dict[str, DraftTree]) -> None:
                 continue
             tree = DraftTree.from_chain(list(drafts))
         tree = truncate(tree, len(drafts))
-        chain = is_chain(tree)
+        chain = tree.is_chain
         if chain and not sampled:
             continue
         rows[i] = tree

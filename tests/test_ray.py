@@ -1,13 +1,12 @@
 """Ray on this CPU machine (vLLM's Ray executor refuses the CPU platform, so its GPU path is
 checked as far as a CPU allows):
-* a local Ray cluster (`ray start --head` on 127.0.0.1, stopped at the end) serving two
+* a local Ray cluster (head started by `ray.init` on 127.0.0.1, stopped at the end) serving two
   speculating replicas as Ray actors behind one router: 32 concurrent greedy requests equal a
   plain single engine's outputs; no Ray/vLLM process or temp dir left behind;
 * vLLM's own Ray worker (`RayWorkerWrapper`, what its Ray executor starts on every GPU) loads
   our plugin in `init_worker` and receives our method's parameters."""
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,12 +21,6 @@ MAX_TOKENS = 24
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
               "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
               "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _procs_matching(text: str) -> list[str]:
@@ -45,18 +38,14 @@ def ray_cluster():
     import ray
     before = _tmp_entries()
     tmp = tempfile.mkdtemp(prefix="rvsp", dir="/tmp")     # short: Ray's socket paths are length-limited
-    port = _free_port()
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
-                    "--num-cpus=4", f"--temp-dir={tmp}", "--include-dashboard=false",
-                    "--disable-usage-stats"], check=True, env=env, capture_output=True)
-    ray.init(address=f"127.0.0.1:{port}", logging_level="WARNING")
+    # ray.init starts the head (GCS, raylet) as its own children: `ray start` + ray.init(address)
+    # rewrites 127.0.0.1 to the host's routable IP, which a sandbox may not let us connect to
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=4, include_dashboard=False, _temp_dir=tmp,
+             logging_level="WARNING")
     try:
         yield tmp
     finally:
         ray.shutdown()
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True)
         deadline = time.time() + 30
         while _procs_matching(tmp) and time.time() < deadline:
             time.sleep(0.5)

@@ -29,6 +29,11 @@ DEFAULT_CONFIGS = {
     "draft_model": lambda model: {"method": "draft_model", "num_speculative_tokens": 3,
                                   "model": str(__import__("vllm_spec_plugins.models", fromlist=["x"])
                                                .build_truncated_model(model, 6))},
+    # vLLM's own EAGLE with the drafter this project trains for SmolLM2-135M-Instruct
+    # (python -m vllm_spec_plugins.drafters; shipped in vllm_spec_plugins/assets/)
+    "eagle": lambda model: {"method": "eagle", "num_speculative_tokens": 4,
+                            "model": str(__import__("vllm_spec_plugins.drafters", fromlist=["x"])
+                                         .shipped_drafter())},
 }
 # bf16 logits of magnitude 16..32 are spaced 0.125 apart: a top-2 margin of a few such steps
 # is within the rounding that a different kernel shape (verifying k tokens) produces.

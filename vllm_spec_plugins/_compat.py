@@ -170,6 +170,7 @@ def apply_patches() -> None:
     @functools.wraps(orig_create)
     def create_speculative_config(self, target_model_config, target_parallel_config):
         spec = cfg.fold_cli_flags(self)
+        cfg.check_drafter_marker(spec, target_model_config.model)
         if cfg.is_plugin_config(spec):
             vllm_spec, params = cfg.translate(spec, target_model_config)
             self.speculative_config = vllm_spec

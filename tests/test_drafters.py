@@ -112,3 +112,25 @@ def test_drafter_for_another_tokenizer_is_refused(tiny_model, tmp_path):
                                                             "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="drafter for another tokenizer"):
         args.create_engine_config()
+
+
+@pytest.mark.slow
+def test_shipped_drafter_accepts_in_vllm_what_it_accepts_offline(default_model):
+    """The shipped SmolLM2 drafter inside vLLM's `eagle` (k=1, float32): greedy output equals plain
+    vLLM's, and vLLM's accepted-token counter equals what the same weights accept when replayed
+    here in torch (so vLLM computes the drafter this project trained: layout, rotary, fc order)."""
+    from vllm_spec_plugins.data import make_prompts
+    from vllm_spec_plugins.runner import run_isolated
+    rows = make_prompts(categories=("chat", "code"), n_per_category=4)
+    job = {"model": default_model, "groups": {"all": rows}, "max_tokens": 32, "temperature": 0.0,
+           "batch_size": 1, "dtype": "float32", "llm_kwargs": {"enforce_eager": True}}
+    plain = run_isolated(job)["groups"]["all"]
+    spec = run_isolated({**job, "speculative_config": {"method": "eagle", "num_speculative_tokens": 1,
+                                                       "model": str(drafters.shipped_drafter())}})["groups"]["all"]
+    assert spec["outputs"] == plain["outputs"]
+    tm = drafters.load_target(default_model, torch.float32)
+    d = drafters.load_exported(drafters.shipped_drafter(), tm)
+    offline = sum(drafters.greedy_chain1_accepted(d, tm, p, o[0])
+                  for p, o in zip(plain["prompt_token_ids"], plain["outputs"]))
+    assert spec["accepted"] > 0.2 * spec["drafts"]             # it is a drafter, not noise
+    assert abs(spec["accepted"] - offline) <= len(rows) + 0.1 * offline, (spec["accepted"], offline)

@@ -231,6 +231,23 @@ def check_drafter(path: str, target_dir: str, field: str = "drafter") -> None:
                          f"tokenizer: {reason}")
 
 
+SHIPPED_PREFIX = "vllm_spec_plugins:"
+
+
+def resolve_shipped_drafter(spec):
+    """`"model": "vllm_spec_plugins:NAME"` -> the folder of drafter NAME shipped in this package
+    (for YAML drop-ins, which cannot compute a site-packages path). Returns the (new) spec."""
+    model = spec.get("model") if isinstance(spec, dict) else None
+    if not (isinstance(model, str) and model.startswith(SHIPPED_PREFIX)):
+        return spec
+    from vllm_spec_plugins.drafters import shipped_drafter
+    try:
+        path = shipped_drafter(model[len(SHIPPED_PREFIX):])
+    except FileNotFoundError as e:
+        raise ValueError(f"speculative_config.model={model!r}: {e}") from None
+    return {**spec, "model": str(path)}
+
+
 def check_drafter_marker(spec, target_dir: str) -> None:
     """vLLM's own `eagle` / `draft_model` pointed at a drafter exported by
     `vllm_spec_plugins.drafters` (a folder with drafter.json): refuse it, before the engine

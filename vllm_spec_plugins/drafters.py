@@ -373,6 +373,33 @@ def export(target: str, work: Path, out_dir: Path) -> Path:
     return export_drafter(d, target, out_dir, {"steps": st["step"], "val_agreement": report.get("val_agreement")})
 
 
+def load_exported(path: str | Path, target_model) -> EagleDrafter:
+    """An exported drafter folder back into an EagleDrafter over `target_model`'s head (float32)."""
+    from safetensors.torch import load_file
+    d = EagleDrafter(target_model.config.to_dict(), target_model.model.embed_tokens.weight.detach().float(),
+                     target_model.lm_head.weight.detach().float())
+    names = {v: k for k, v in zip(d.state_dict(), d.layer_state_dict())}
+    d.load_state_dict({names[k]: v.float() for k, v in load_file(str(Path(path) / "model.safetensors")).items()})
+    return d.eval()
+
+
+@torch.no_grad()
+def greedy_chain1_accepted(d: EagleDrafter, target_model, prompt: list[int], answer: list[int]) -> int:
+    """Tokens a k=1 EAGLE chain accepts while the target greedily emits `answer` after `prompt`:
+    the draft for answer[j] reads the target's hidden state two positions back and answer[j-1]
+    (teacher-forced, as vLLM feeds it); a hit emits two tokens in the step, a miss one."""
+    ids = torch.tensor([prompt + answer])
+    h = target_model.model(input_ids=ids).last_hidden_state
+    pred = d.logits(d(ids[:, 1:], h[:, :-1], torch.arange(ids.shape[1] - 1)[None])).argmax(-1)[0]
+    L, acc, j = len(prompt), 0, 1
+    while j < len(answer):
+        if pred[L + j - 2].item() == answer[j]:
+            acc, j = acc + 1, j + 2
+        else:
+            j += 1
+    return acc
+
+
 def shipped_drafter(name: str = "smollm2-135m-instruct-eagle") -> Path:
     """Path of a drafter shipped in the package (`python -m vllm_spec_plugins.drafters path`)."""
     p = Path(__file__).parent / "assets" / name

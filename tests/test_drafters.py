@@ -81,6 +81,7 @@ def test_cache_train_resume_deterministic(tiny_model, tmp_path):
     assert not all(torch.equal(a[k], fresh[k]) for k in a)                  # training moved them
 
 
+@pytest.mark.slow      # the default suite serves the shipped drafter (tests/test_serve.py, eagle YAML)
 def test_export_runs_in_vllm_eagle_lossless(tiny_model, tmp_path):
     """vLLM's own `eagle` method loads an exported drafter (every weight name known to it) and
     its greedy output equals plain vLLM's (float32)."""

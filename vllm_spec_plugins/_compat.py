@@ -169,9 +169,7 @@ def apply_patches() -> None:
 
     @functools.wraps(orig_create)
     def create_speculative_config(self, target_model_config, target_parallel_config):
-        spec = cfg.resolve_shipped_drafter(cfg.fold_cli_flags(self))
-        if spec is not self.speculative_config:
-            self.speculative_config = spec
+        spec = self.speculative_config = cfg.resolve_shipped_drafter(cfg.fold_cli_flags(self))
         cfg.check_drafter_marker(spec, target_model_config.model)
         if cfg.is_plugin_config(spec):
             vllm_spec, params = cfg.translate(spec, target_model_config)

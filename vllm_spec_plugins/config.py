@@ -253,22 +253,21 @@ def check_drafter_marker(spec, target_dir: str) -> None:
     `vllm_spec_plugins.drafters` (a folder with drafter.json): refuse it, before the engine
     starts, when it was trained for a target with another tokenizer or hidden size. Other
     folders are left to vLLM unchanged."""
-    import json
     import os
 
-    from vllm_spec_plugins.models import model_vocab_size, tokenizer_fingerprint
+    from vllm_spec_plugins.models import _read_json, model_vocab_size, tokenizer_fingerprint
     path = spec.get("model") if isinstance(spec, dict) else None
     marker = os.path.join(path, "drafter.json") if isinstance(path, str) else ""
     if not marker or not os.path.isfile(marker) or not os.path.isdir(str(target_dir)):
         return
-    meta = json.load(open(marker))
-    fp = tokenizer_fingerprint(target_dir)
-    if meta.get("target_tokenizer") != fp or meta.get("target_vocab_size") != model_vocab_size(target_dir):
+    meta = _read_json(marker)
+    fp, vocab = tokenizer_fingerprint(target_dir), model_vocab_size(target_dir)
+    if meta.get("target_tokenizer") != fp or meta.get("target_vocab_size") != vocab:
         raise ValueError(f"speculative_config.model={path!r} is a drafter for another tokenizer "
                          f"(drafter.json: {meta.get('target_tokenizer', '?')[:12]}, vocab "
                          f"{meta.get('target_vocab_size')}; target {target_dir!r}: {fp[:12]}, vocab "
-                         f"{model_vocab_size(target_dir)}); retrain it with python -m vllm_spec_plugins.drafters")
-    hidden = json.load(open(os.path.join(target_dir, "config.json"))).get("hidden_size")
+                         f"{vocab}); retrain it with python -m vllm_spec_plugins.drafters")
+    hidden = _read_json(os.path.join(target_dir, "config.json")).get("hidden_size")
     if meta.get("target_hidden_size") not in (None, hidden):
         raise ValueError(f"speculative_config.model={path!r} reads hidden states of size "
                          f"{meta['target_hidden_size']}; the target {target_dir!r} has {hidden}")

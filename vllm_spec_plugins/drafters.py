@@ -4,16 +4,16 @@ Pipeline (every stage resumable, deterministic given ``--seed``, files under ``-
 
 1. ``generate``: the target's own greedy answers to training prompts (``split="train"`` only), by
    plain vLLM in chunks (``gen_NNNNN.json``): the drafter learns the text it will be asked to draft.
-2. ``cache``: one teacher pass (transformers, bf16) over prompt + answer; per answer token the
-   target's final hidden state (post-norm: what vLLM hands an EAGLE drafter) and its top-k logits
+2. ``cache``: one teacher pass (transformers, bf16) over prompt + answer; per token the target's
+   final hidden state (post-norm: what vLLM hands an EAGLE drafter) and its top-k logits
    (``cache_NNNNN.pt``).
 3. ``train``: an EAGLE-1 drafter (``fc`` over [token embedding, target hidden] + one Llama decoder
    layer; embeddings and output head are the target's and stay frozen) by distillation: KL to the
    teacher's top-k distribution + smooth-L1 to the next hidden state; bounded by ``--minutes``;
    checkpoints so a second call continues.
-4. ``export``: a folder vLLM's own ``"method": "eagle"`` loads (Llama config with one layer, the
-   target's tokenizer files, ``model.safetensors`` without embeddings / head: vLLM shares the
-   target's), so the drafter's KV lives in vLLM's paged cache and drafting is vLLM's CUDA-graph loop.
+4. ``export``: a folder vLLM's own ``"method": "eagle"`` loads (Llama config with one layer,
+   ``model.safetensors`` without embeddings / head: vLLM shares the target's, and ``drafter.json``
+   with the target tokenizer's fingerprint), so the drafter's KV lives in vLLM's paged cache and drafting is vLLM's CUDA-graph loop.
 
 Why EAGLE and not an early-exit or standalone drafter: measured here, SmolLM2's first 6 layers accept
 3-11% untrained and a 7M standalone model 10-21% after 8 CPU minutes, while a drafter reading the
@@ -120,11 +120,11 @@ def cache(target: str, work: Path, max_len: int) -> None:
     for i in _progress(todo, desc="teacher hidden states + top-k", unit="chunk"):
         out = []
         for r in chunks[i]:
-            ids = (r["prompt"] + r["answer"])[-max_len:]
-            start = max(0, len(r["prompt"]) - (len(r["prompt"]) + len(r["answer"]) - len(ids)))
-            t = teacher_outputs(model, ids)
-            t["answer_start"] = start
-            t["position0"] = len(r["prompt"]) + len(r["answer"]) - len(ids)
+            full = r["prompt"] + r["answer"]
+            cut = max(0, len(full) - max_len)            # keep the tail: all of the answer
+            t = teacher_outputs(model, full[cut:])
+            t["answer_start"] = max(0, len(r["prompt"]) - cut)
+            t["position0"] = cut
             t["category"] = r["category"]
             out.append(t)
         path = work / f"cache_{i:05d}.pt"
@@ -300,7 +300,7 @@ def train(target: str, work: Path, minutes: float, steps: int, seed: int, lr: fl
     tm = load_target(target, torch.float32)
     d = new_drafter(tm, seed)
     del tm
-    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(d.parameters(), lr=lr, weight_decay=0.0)
     ckpt, step = work / "drafter.ckpt", 0
     if ckpt.exists():
         st = torch.load(ckpt)
@@ -309,7 +309,7 @@ def train(target: str, work: Path, minutes: float, steps: int, seed: int, lr: fl
         step = st["step"]
     t_end = time.time() + 60 * minutes
     bar = _progress(range(step, steps), desc="train EAGLE drafter", unit="step", initial=step, total=steps)
-    log = []
+    log, done = [], step
     for step in bar:
         if time.time() > t_end:
             break
@@ -323,18 +323,15 @@ def train(target: str, work: Path, minutes: float, steps: int, seed: int, lr: fl
         torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
         opt.step()
         log.append({"step": step, "loss": loss.item(), "agree": agree})
+        done = step + 1
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{agree:.2f}")
-    else:
-        step = steps
-    if step != steps:
-        step = log[-1]["step"] + 1 if log else step
-    torch.save({"drafter": d.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+    torch.save({"drafter": d.state_dict(), "opt": opt.state_dict(), "step": done}, ckpt)
     with torch.no_grad():
         vr = random.Random(seed)
         agree = [drafter_loss(d, _batch(val, vr, batch_tokens, max_len), noise=0.0, negatives=0)[1]
                  for _ in range(8)]
-    report = {"step": step, "steps": steps, "val_agreement": sum(agree) / len(agree),
+    report = {"step": done, "steps": steps, "val_agreement": sum(agree) / len(agree),
               "train_tail": log[-20:]}
     (work / "train_report.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({k: report[k] for k in ("step", "steps", "val_agreement")}))

@@ -34,6 +34,8 @@ DEFAULT_CONFIGS = {
     "eagle": lambda model: {"method": "eagle", "num_speculative_tokens": 4,
                             "model": str(__import__("vllm_spec_plugins.drafters", fromlist=["x"])
                                          .shipped_drafter())},
+    # the plugin's Mamba drafter trained for SmolLM2-135M-Instruct (shipped)
+    "mamba": {"method": "mamba", "num_speculative_tokens": 4, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
 }
 # bf16 logits of magnitude 16..32 are spaced 0.125 apart: a top-2 margin of a few such steps
 # is within the rounding that a different kernel shape (verifying k tokens) produces.

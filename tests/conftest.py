@@ -30,3 +30,11 @@ def tiny_model():
 def heldout_prompts():
     from vllm_spec_plugins.data import make_prompts
     return make_prompts(categories=("chat", "code"), n_per_category=4, split="heldout")
+
+
+@pytest.fixture(scope="session")
+def tiny_mamba_drafter(tiny_model, tmp_path_factory):
+    """An untrained Mamba drafter for the tiny model (lossless whatever it drafts)."""
+    from vllm_spec_plugins.drafters import random_ssm_drafter
+    return str(random_ssm_drafter(tiny_model, tmp_path_factory.mktemp("drafter") / "mamba", seed=0,
+                                  head_dim=16, d_state=16))

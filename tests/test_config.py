@@ -75,7 +75,10 @@ def test_vllm_methods_unchanged(tiny_model):
     ({"method": "lookahead", "guesses": "many"}, ["guesses", "integer"]),
     ({"method": "oracle"}, ["references", "required"]),
     ({"method": "oracle", "references": "/nonexistent/refs.json"}, ["references", "does not exist"]),
-    ({"method": "mamba", "model": "x"}, ["mamba", "not available", "lookahead"]),
+    ({"method": "mamba", "model": "/nonexistent/x"}, ["model", "does not exist", "--drafter mamba"]),
+    ({"method": "mamba"}, ["model", "required"]),
+    ({"method": "mamba", "model": "vllm_spec_plugins:nope"}, ["model", "no shipped drafter"]),
+    ({"method": "cascade"}, ["cascade", "not available", "lookahead"]),
     ({"method": "bandit_tree", "node_budget": 20}, ["node_budget", "num_speculative_tokens"]),
     ({"method": "bandit_tree", "max_depth": 17}, ["max_depth", "node_budget"]),
     ({"method": "bandit_tree", "shapes": [[4, 4, 4, 4, 4]]}, ["shapes", "node_budget"]),
@@ -137,3 +140,15 @@ def test_check_drafter(tiny_model, tmp_path):
     (other / "config.json").write_text(json.dumps({**c, "vocab_size": c["vocab_size"] + 64}))
     with pytest.raises(ValueError, match="drafter.*tokenizer.*vocab_size"):
         cfg.check_drafter(str(other), tiny_model)
+
+
+def test_mamba_drafter_checked_before_start(tiny_model, tiny_mamba_drafter, tmp_path):
+    from vllm_spec_plugins.drafters import random_ssm_drafter
+    vc = engine_config(tiny_model, {"method": "mamba", "model": tiny_mamba_drafter, "num_speculative_tokens": 3})
+    params = vc.additional_config[cfg.ADDITIONAL_KEY]
+    assert params["model"] == tiny_mamba_drafter and params["target"] == tiny_model
+    other = random_ssm_drafter(tiny_model, tmp_path / "t", kind="transformer", n_heads=2, n_kv_heads=1, mlp=32)
+    with pytest.raises(ValueError, match="'transformer' drafter; method 'mamba'"):
+        engine_config(tiny_model, {"method": "mamba", "model": str(other)})
+    with pytest.raises(ValueError, match="another tokenizer|hidden states of size"):   # made for SmolLM2-135M
+        engine_config(tiny_model, {"method": "mamba", "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"})

@@ -28,7 +28,7 @@ def references(plain, tmp_path_factory):
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])
-@pytest.mark.parametrize("method", ["oracle", "adversarial", "lookahead", "lookahead_tree", "bandit_tree"])
+@pytest.mark.parametrize("method", ["oracle", "adversarial", "lookahead", "lookahead_tree", "bandit_tree", "mamba"])
 def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_prompts, plain, references):
     spec = {"method": method, "num_speculative_tokens": 4}
     if method in ("oracle", "adversarial"):
@@ -37,6 +37,8 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
         spec = {"method": "lookahead", "num_speculative_tokens": 8, "window": 6, "tree": True}
     if method == "bandit_tree":        # every arm is tried: no speculation, chains, trees
         spec = {"method": "bandit_tree", "num_speculative_tokens": 16, "exploration": 1.0, "batch_node_budget": 1024}
+    if method == "mamba":              # the shipped, trained drafter: accepts, so rollback runs
+        spec["model"] = "vllm_spec_plugins:smollm2-135m-instruct-mamba"
     res = run_isolated(_job(default_model, heldout_prompts, spec, batch_size,
                             report_plugin_state=True))
     got = res["groups"]["all"]
@@ -46,6 +48,8 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
     if method == "oracle":       # every draft accepted: 100% acceptance
         assert got["accepted"] == got["draft_tokens"]
         assert got["tau"] > 3.0
+    elif method == "mamba":
+        assert 0 < got["accepted"] < got["draft_tokens"]     # both accepted and rejected drafts
     elif method == "adversarial":  # nothing accepted, output still exact
         assert got["accepted"] == 0
         assert got["tau"] == pytest.approx(1.0)

@@ -57,6 +57,11 @@ METHODS: dict[str, dict[str, Key]] = {
         "prompt_lookup_min": Key(1, 1, 16, int, "drafter: prompt-lookup min match length"),
         "prompt_lookup_max": Key(3, 1, 16, int, "drafter: prompt-lookup max match length"),
     },
+    "mamba": {
+        "num_speculative_tokens": Key(4, 1, 16, int, "draft chain length (k)"),
+        "model": Key(None, kind=str, help="Mamba drafter folder made by `python -m vllm_spec_plugins.drafters "
+                     "--drafter mamba`, or 'vllm_spec_plugins:smollm2-135m-instruct-mamba' (shipped)"),
+    },
     # Test proposers: drafts from a reference file {prompt ids -> plain greedy output ids}.
     "oracle": {
         "num_speculative_tokens": Key(4, 1, 64, int, "draft chain length / tree node budget"),
@@ -72,7 +77,7 @@ METHODS: dict[str, dict[str, Key]] = {
     },
 }
 # Named in the design, not shipped yet: refused with a clear message rather than half-working.
-PLANNED = ("mamba", "cascade")
+PLANNED = ("cascade",)
 # vLLM SpeculativeConfig keys users may still set next to ours.
 PASSTHROUGH = ("enforce_eager", "disable_padded_drafter_batch", "num_speculative_tokens_per_batch_size")
 
@@ -171,6 +176,8 @@ def validate(spec: dict) -> dict:
         _check_bandit(out)
     if method in ("oracle", "adversarial") and out["tree_nodes"] and not out["tree_depth"] <= out["tree_nodes"] <= out["num_speculative_tokens"]:
         raise ValueError("speculative_config: need tree_depth <= tree_nodes <= num_speculative_tokens")
+    if method == "mamba":
+        _check_ssm_drafter(out["model"])
     if out.get("references"):
         _check_readable(out["references"], "references")
     return out
@@ -202,6 +209,24 @@ def _check_bandit(out: dict) -> None:
         raise ValueError(f"speculative_config.ngram={out['ngram']} must be <= num_speculative_tokens + 1 = {k + 1}")
     if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
         raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
+
+
+def _check_ssm_drafter(path: str) -> None:
+    import json
+    import os
+    marker = os.path.join(path, "drafter.json")
+    if not os.path.isdir(path):
+        raise ValueError(f"speculative_config.model={path!r} does not exist or is not a folder "
+                         "(make one with: python -m vllm_spec_plugins.drafters --drafter mamba)")
+    for f in ("drafter.json", "config.json", "model.safetensors"):
+        if not os.access(os.path.join(path, f), os.R_OK):
+            raise ValueError(f"speculative_config.model={path!r} has no readable {f}: not a drafter "
+                             "made by python -m vllm_spec_plugins.drafters --drafter mamba")
+    with open(marker) as fh:
+        kind = json.load(fh).get("kind")
+    if kind != "mamba":
+        raise ValueError(f"speculative_config.model={path!r} is a {kind!r} drafter; method 'mamba' "
+                         "runs drafters of kind 'mamba'")
 
 
 def _check_readable(path: str, field: str) -> None:
@@ -283,4 +308,6 @@ def translate(spec: dict, target_model_config=None) -> tuple[dict, dict]:
             vllm_spec[k] = spec[k]
     if target_model_config is not None:
         params["vocab_size"] = target_model_config.get_vocab_size()
+        if params["method"] == "mamba":      # the drafter reads the target's embeddings / head
+            params["target"] = target_model_config.model
     return vllm_spec, params

@@ -338,6 +338,175 @@ def train(target: str, work: Path, minutes: float, steps: int, seed: int, lr: fl
     return ckpt
 
 
+# ---------------------------------------------------------------- 3b. token-only drafters (Mamba, and its Transformer baseline)
+DRAFT_VOCAB = 8192      # head rows: the most frequent tokens of the teacher data (>= 98% of answer tokens here)
+SSM_SIZES = {"mamba": dict(n_layers=2), "transformer": dict(n_layers=2, mlp=768)}   # ~4.2M / ~4.4M params
+
+
+def draft_vocabulary(rows: list[dict], size: int) -> torch.Tensor:
+    """The `size` most frequent token ids of the cached sequences (ties: lower id), sorted."""
+    counts = torch.zeros(int(max(int(r["ids"].max()) for r in rows)) + 1, dtype=torch.long)
+    for r in rows:
+        counts += torch.bincount(r["ids"].long(), minlength=len(counts))
+    order = sorted(range(len(counts)), key=lambda i: (-int(counts[i]), i))[:size]
+    return torch.tensor(sorted(order))
+
+
+def new_ssm_drafter(target_model, kind: str, seed: int, draft_vocab: torch.Tensor, **cfg):
+    from vllm_spec_plugins.proposers.mamba import StateSpaceDrafter
+    torch.manual_seed(seed)
+    emb = target_model.model.embed_tokens.weight.detach().float()
+    d = StateSpaceDrafter({"kind": kind, **SSM_SIZES[kind], **cfg}, emb,
+                          target_model.lm_head.weight.detach().float(), draft_vocab)
+    with torch.no_grad():
+        for n, p in d.named_parameters():
+            if p.dim() == 2 and n != "norms":
+                torch.nn.init.normal_(p, 0, 0.02)
+        d.norms[-1] = target_model.model.norm.weight.detach().float()   # the head expects its scale
+    return d
+
+
+def _token_batch(rows, rng, tokens, max_len):
+    picked, total = [], 0
+    while total < tokens:
+        r = rows[rng.randrange(len(rows))]
+        n = len(r["ids"])
+        s = rng.randrange(0, n - max_len + 1) if n > max_len else 0
+        picked.append((r, s, min(n, s + max_len)))
+        total += picked[-1][2] - s
+    T, B = max(e - s for _, s, e in picked), len(picked)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    tk_i, tk_v, w = torch.zeros(B, T, CACHE_TOPK, dtype=torch.long), torch.zeros(B, T, CACHE_TOPK), torch.zeros(B, T)
+    for b, (r, s, e) in enumerate(picked):
+        n = e - s
+        ids[b, :n], tk_i[b, :n], tk_v[b, :n] = r["ids"][s:e].long(), r["topk_idx"][s:e].long(), r["topk_val"][s:e].float()
+        w[b, :n] = torch.where(torch.arange(s, e) >= r["answer_start"] - 1, 1.0, PROMPT_WEIGHT)
+    return ids, tk_i, tk_v, w
+
+
+def ssm_loss(d, batch, to_draft: torch.Tensor):
+    """Cross-entropy to the teacher's top-k distribution restricted to the draft vocabulary; top-1
+    agreement with the teacher (a teacher top-1 outside the draft vocabulary counts as a miss)."""
+    ids, tk_i, tk_v, w = batch
+    h, _ = d(ids)
+    logp = torch.log_softmax(d.logits(h), -1)
+    j = to_draft[tk_i]                                       # -1: not in the draft vocabulary
+    p = torch.softmax(tk_v, -1) * (j >= 0)
+    p = p / p.sum(-1, keepdim=True).clamp(min=1e-9)
+    ce = -(p * logp.gather(-1, j.clamp(min=0))).sum(-1)
+    loss = (ce * w).sum() / w.sum()
+    hit = (d.draft_vocab[logp.argmax(-1)] == tk_i[..., 0]).float()
+    agree = (hit * (w == 1)).sum() / (w == 1).sum().clamp(min=1)
+    return loss, agree.item()
+
+
+def replay_tau(d, rows: list[dict], k: int) -> dict:
+    """Offline greedy chain replay on cached rows (their answers are the target's greedy text):
+    tau = tokens per verification step (accepted drafts + 1)."""
+    from vllm_spec_plugins.proposers.mamba import greedy_chain_accepted
+    steps = acc = 0
+    for r in rows:
+        ids, a0 = r["ids"].tolist(), max(1, r["answer_start"])
+        if len(ids) - a0 < 2:
+            continue
+        s, a = greedy_chain_accepted(d, ids[:a0], ids[a0:], k)
+        steps, acc = steps + s, acc + a
+    return {"k": k, "steps": steps, "accepted": acc, "tau": 1 + acc / max(steps, 1)}
+
+
+def train_ssm(target: str, work: Path, kind: str, minutes: float, steps: int, seed: int, lr: float,
+              batch_tokens: int, max_len: int) -> Path:
+    rows = load_cache(work)
+    if not rows:
+        raise SystemExit(f"no teacher cache in {work}: run the `cache` stage first")
+    val = [r for i, r in enumerate(rows) if i % 20 == 0]
+    rows = [r for i, r in enumerate(rows) if i % 20 != 0]
+    torch.set_num_threads(os.cpu_count() or 1)
+    tm = load_target(target, torch.float32)
+    ckpt, step = work / f"{kind}.ckpt", 0
+    st = torch.load(ckpt) if ckpt.exists() else None
+    dv = st["drafter"]["draft_vocab"] if st else draft_vocabulary(rows, DRAFT_VOCAB)
+    d = new_ssm_drafter(tm, kind, seed, dv)
+    del tm
+    to_draft = torch.full((d.embed.shape[0],), -1, dtype=torch.long)
+    to_draft[dv] = torch.arange(len(dv))
+    opt = torch.optim.AdamW(d.parameters(), lr=lr, weight_decay=0.0)
+    if st:
+        d.load_state_dict(st["drafter"])
+        opt.load_state_dict(st["opt"])
+        step = st["step"]
+    t_end = time.time() + 60 * minutes
+    bar = _progress(range(step, steps), desc=f"train {kind} drafter", unit="step", initial=step, total=steps)
+    log, done = [], step
+    for step in bar:
+        if time.time() > t_end:
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+        loss, agree = ssm_loss(d, _token_batch(rows, random.Random(seed * 1_000_003 + step), batch_tokens, max_len), to_draft)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
+        opt.step()
+        log.append({"step": step, "loss": loss.item(), "agree": agree})
+        done = step + 1
+        if hasattr(bar, "set_postfix"):
+            bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{agree:.2f}")
+    torch.save({"drafter": d.state_dict(), "opt": opt.state_dict(), "step": done}, ckpt)
+    d.eval()
+    with torch.no_grad():
+        vr = random.Random(seed)
+        agree = [ssm_loss(d, _token_batch(val, vr, batch_tokens, max_len), to_draft)[1] for _ in range(8)]
+        tau = replay_tau(d, val[:16], 4)
+    report = {"kind": kind, "step": done, "steps": steps, "params": sum(p.numel() for p in d.parameters()),
+              "val_agreement": sum(agree) / len(agree), "val_replay_k4": tau, "train_tail": log[-20:]}
+    (work / f"{kind}_report.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: report[k] for k in ("kind", "step", "params", "val_agreement", "val_replay_k4")}))
+    return ckpt
+
+
+def write_ssm_drafter(weights: dict, kind: str, target: str, out_dir: Path, meta: dict | None = None,
+                      **cfg) -> Path:
+    """A folder the plugin's `"method": "mamba"` loads: config.json (the drafter's own shape),
+    model.safetensors (its layers + the draft vocabulary, bf16; embeddings / head are read from
+    the target at load time), drafter.json (the target tokenizer's fingerprint)."""
+    from safetensors.torch import save_file
+
+    from vllm_spec_plugins.models import tokenizer_fingerprint
+    from vllm_spec_plugins.proposers.mamba import DEFAULTS
+    tcfg = json.loads((Path(target) / "config.json").read_text())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in weights.items()},
+              str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps({**DEFAULTS, "kind": kind, **SSM_SIZES[kind], **cfg,
+                                                     "hidden_size": tcfg["hidden_size"]}, indent=1))
+    (out_dir / DRAFTER_MARKER).write_text(json.dumps(
+        {"kind": kind, "target_tokenizer": tokenizer_fingerprint(target),
+         "target_vocab_size": tcfg["vocab_size"], "target_hidden_size": tcfg["hidden_size"], **(meta or {})},
+        indent=1))
+    return out_dir
+
+
+def export_ssm(target: str, work: Path, kind: str, out_dir: Path) -> Path:
+    st = torch.load(work / f"{kind}.ckpt")
+    rp = work / f"{kind}_report.json"
+    report = json.loads(rp.read_text()) if rp.exists() else {}
+    return write_ssm_drafter(st["drafter"], kind, target, out_dir,
+                             {"steps": st["step"], "val_agreement": report.get("val_agreement"),
+                              "val_replay_k4": report.get("val_replay_k4")})
+
+
+def random_ssm_drafter(target: str, out_dir: Path, seed: int = 0, kind: str = "mamba", **cfg) -> Path:
+    """An untrained drafter for `target` in seconds (tests: lossless whatever the drafts are)."""
+    from vllm_spec_plugins.proposer import target_embeddings
+    from vllm_spec_plugins.proposers.mamba import StateSpaceDrafter
+    torch.manual_seed(seed)
+    emb, head = target_embeddings(target)
+    dv = torch.arange(min(DRAFT_VOCAB, emb.shape[0]))
+    d = StateSpaceDrafter({"kind": kind, **SSM_SIZES[kind], **cfg}, emb.float(), head, dv)
+    return write_ssm_drafter(d.state_dict(), kind, target, out_dir, {"steps": 0}, **cfg)
+
+
 # ---------------------------------------------------------------- 4. export for vLLM's "eagle"
 def export_drafter(d: EagleDrafter, target: str, out_dir: Path, meta: dict | None = None) -> Path:
     """Write `d` as a folder vLLM's `"method": "eagle"` loads. No tokenizer files: vLLM drafts with
@@ -424,6 +593,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--drafter", default="eagle", choices=("eagle", "mamba", "transformer"),
+                    help="eagle: EAGLE-1 head for vLLM's eagle; mamba: token-only Mamba-2 drafter for the "
+                         "plugin's mamba method; transformer: its same-size attention baseline")
     if argv is None and sys.argv[1:2] == ["path"]:     # `... drafters path`: the shipped drafter
         print(shipped_drafter())
         return 0
@@ -440,9 +612,13 @@ def main(argv: list[str] | None = None) -> int:
     if "cache" in a.stages:
         cache(target, work, a.max_len)
     if "train" in a.stages:
-        train(target, work, a.minutes, a.steps, a.seed, a.lr, a.batch_tokens, 384)
+        if a.drafter == "eagle":
+            train(target, work, a.minutes, a.steps, a.seed, a.lr, a.batch_tokens, 384)
+        else:
+            train_ssm(target, work, a.drafter, a.minutes, a.steps, a.seed, a.lr, a.batch_tokens, 384)
     if "export" in a.stages:
-        print(export(target, work, Path(a.out)))
+        print(export(target, work, Path(a.out)) if a.drafter == "eagle" else
+              export_ssm(target, work, a.drafter, Path(a.out)))
     return 0
 
 

@@ -12,7 +12,26 @@ from vllm_spec_plugins.proposers.base import Proposer, RequestStep, StepContext
 logger = logging.getLogger("vllm_spec_plugins")
 
 
-def build_proposer(params: dict) -> Proposer:
+def target_embeddings(target_dir: str):
+    """(input embeddings, output head) of a target folder's safetensors; head = embeddings when tied."""
+    import glob
+    import os
+
+    from safetensors import safe_open
+    found = {}
+    for f in sorted(glob.glob(os.path.join(target_dir, "*.safetensors"))):
+        with safe_open(f, "pt") as fh:
+            for name in ("model.embed_tokens.weight", "lm_head.weight"):
+                if name in fh.keys():
+                    found[name] = fh.get_tensor(name)
+    if "model.embed_tokens.weight" not in found:
+        raise ValueError(f"the mamba drafter shares the target's embeddings, but {target_dir!r} has no "
+                         "model.embed_tokens.weight in its safetensors")
+    emb = found["model.embed_tokens.weight"]
+    return emb, found.get("lm_head.weight", emb).float()
+
+
+def build_proposer(params: dict, max_requests: int = 8) -> Proposer:
     p = dict(params)
     method = p.pop("method")
     k = p.pop("num_speculative_tokens")
@@ -27,6 +46,11 @@ def build_proposer(params: dict) -> Proposer:
         p.pop("drafter")   # validated: "lookahead"
         shapes = p.pop("shapes") or None
         return BanditTreeProposer(k, vocab_size=vocab, shapes=shapes, **p)
+    if method == "mamba":
+        from vllm_spec_plugins.proposers.mamba import MambaProposer, load_drafter
+        if "target" not in p:
+            raise ValueError("method 'mamba' needs the target folder (params['target']), set by the config hook")
+        return MambaProposer(k, load_drafter(p["model"], *target_embeddings(p["target"])), max_requests)
     if method in ("oracle", "adversarial"):
         from vllm_spec_plugins.proposers import testing
         refs = testing.load_references(p["references"]) if p["references"] else {}
@@ -83,7 +107,7 @@ class PluginProposer:
             raise ValueError(f"{__name__}.PluginProposer needs additional_config[{ADDITIONAL_KEY!r}]; "
                              "select it with speculative_config={'method': 'lookahead', ...}")
         self.params = params
-        self.impl = build_proposer(params)
+        self.impl = build_proposer(params, vllm_config.scheduler_config.max_num_seqs)
         self.needs_target_argmax = self.impl.needs_target_argmax
         self.max_model_len = vllm_config.model_config.max_model_len
         self._argmax: list[list[int]] | None = None
@@ -166,3 +190,12 @@ def plugin_steps(worker) -> int:
     """For `LLM.collective_rpc`: steps our proposer has taken in this worker (0 if none)."""
     impl = getattr(getattr(worker.model_runner, "drafter", None), "impl", None)
     return getattr(impl, "steps", 0)
+
+
+class StateReport:
+    """`--worker-extension-cls vllm_spec_plugins.proposer.StateReport`: each worker answers
+    `collective_rpc("plugin_state_summary")` (over HTTP: POST /collective_rpc with
+    VLLM_SERVER_DEV_MODE=1), so a load test can check that per-request state is freed."""
+
+    def plugin_state_summary(self) -> dict:
+        return plugin_state_summary(self)

@@ -1,0 +1,351 @@
+"""A Mamba-2 (state-space) drafter for a Transformer target, and the chain proposer that runs it.
+
+The drafter reads token ids only. Its input embeddings and output head are the target's (frozen,
+shared: a drafter that speaks the target's token space from step 0 and ships only its own layers);
+the head covers a draft vocabulary (the most frequent target tokens, ids mapped back on output),
+because on a CPU the full 49k-row head would cost more than the drafter's layers. Between them:
+pre-norm residual Mamba-2 blocks (Dao & Gu 2024: scalar decay per head, so the prompt goes through
+a chunked parallel scan and each drafted token through one recurrent step).
+
+Memory per request is a fixed-size state: per layer a conv window [conv_dim, d_conv-1] and an SSM
+state [heads, head_dim, d_state], whatever the context length. The proposer keeps, per request, one
+snapshot per draft position in a slot of preallocated buffers; a rejection resumes from the
+snapshot of the last accepted token, with no recomputation.
+
+`kind="transformer"` swaps the mixer for causal self-attention with a KV cache (same embeddings,
+head, norms and training): the baseline a Mamba drafter is measured against.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vllm_spec_plugins.proposers.base import Proposer, StepContext
+
+DEFAULTS = dict(kind="mamba", n_layers=2, d_state=64, head_dim=64, expand=2, d_conv=4, chunk=64,
+                n_heads=9, n_kv_heads=3, mlp=768, rope_theta=10000.0, eps=1e-5)
+
+
+def rms_norm(x, w, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def ssd_scan(x, dt, A, B, C, chunk: int, h0=None):
+    """Chunked parallel scan of h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t.
+    x [b, T, H, P], dt [b, T, H], A [H], B/C [b, T, N], h0 [b, H, P, N] -> y [b, T, H, P], h_T."""
+    b, T, H, P = x.shape
+    N = B.shape[-1]
+    pad = (-T) % chunk
+    if pad:
+        x, dt, B, C = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))
+    nc = (T + pad) // chunk
+    x = (x * dt[..., None]).view(b, nc, chunk, H, P)
+    a = (dt * A).view(b, nc, chunk, H).permute(0, 3, 1, 2)           # [b, H, nc, Q]
+    B, C = B.view(b, nc, chunk, N), C.view(b, nc, chunk, N)
+    cs = a.cumsum(-1)
+    seg = cs[..., :, None] - cs[..., None, :]                          # [b, H, nc, Q, Q]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool).tril()
+    L = torch.exp(seg.masked_fill(~causal, -math.inf))
+    y = torch.einsum("bcln,bcsn,bhcls,bcshp->bclhp", C, B, L, x)      # within each chunk
+    decay = torch.exp(cs[..., -1:] - cs)                              # [b, H, nc, Q]
+    states = torch.einsum("bcln,bhcl,bclhp->bchpn", B, decay, x)      # each chunk's own state
+    h = torch.zeros(b, H, P, N, dtype=x.dtype) if h0 is None else h0.to(x.dtype)
+    carry = torch.exp(cs[..., -1])                                    # [b, H, nc]
+    prev = []
+    for c in range(nc):                                               # nc = T / chunk steps
+        prev.append(h)
+        h = carry[:, :, c, None, None] * h + states[:, c]
+    prev = torch.stack(prev, 1)                                       # state entering chunk c
+    y = y + torch.einsum("bcln,bchpn,bhcl->bclhp", C, prev, torch.exp(cs))
+    return y.reshape(b, nc * chunk, H, P)[:, :T], h
+
+
+def _rope(x, pos, theta):
+    """x [b, T, h, d], pos [T] (NeoX rotate-half, as Llama)."""
+    d = x.shape[-1]
+    ang = pos.float()[:, None] * (1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+
+
+class Mamba2Mixer(torch.nn.Module):
+    def __init__(self, d: int, cfg: dict):
+        super().__init__()
+        self.di = cfg["expand"] * d
+        self.P, self.N, self.K = cfg["head_dim"], cfg["d_state"], cfg["d_conv"]
+        self.H, self.chunk, self.eps = self.di // self.P, cfg["chunk"], cfg["eps"]
+        self.conv_dim = self.di + 2 * self.N
+        self.in_proj = torch.nn.Linear(d, self.di + self.conv_dim + self.H, bias=False)
+        self.conv_w = torch.nn.Parameter(torch.randn(self.conv_dim, self.K) / self.K)
+        self.conv_b = torch.nn.Parameter(torch.zeros(self.conv_dim))
+        self.dt_bias = torch.nn.Parameter(torch.log(torch.expm1(torch.linspace(1e-3, 1e-1, self.H))))
+        self.A_log = torch.nn.Parameter(torch.log(torch.linspace(1, 16, self.H)))
+        self.D = torch.nn.Parameter(torch.ones(self.H))
+        self.norm_w = torch.nn.Parameter(torch.ones(self.di))
+        self.out_proj = torch.nn.Linear(self.di, d, bias=False)
+
+    def _split(self, u):
+        z, xbc, dt = u.split([self.di, self.conv_dim, self.H], -1)
+        return z, xbc, F.softplus(dt + self.dt_bias)
+
+    def _out(self, y, xs, z):
+        y = y + xs * self.D[:, None]
+        y = y.flatten(-2) * F.silu(z)
+        return self.out_proj(rms_norm(y, self.norm_w, self.eps))
+
+    def forward(self, u, state=None):
+        """u [b, T, d] -> (out [b, T, d], (conv window [b, conv_dim, K-1], ssm [b, H, P, N]))."""
+        b, T, _ = u.shape
+        z, xbc, dt = self._split(self.in_proj(u))
+        xbc = xbc.transpose(1, 2)                                       # [b, conv_dim, T]
+        prev = torch.zeros(b, self.conv_dim, self.K - 1, dtype=u.dtype) if state is None else state[0]
+        full = torch.cat([prev, xbc], -1)
+        conv = F.silu(F.conv1d(full, self.conv_w[:, None], self.conv_b, groups=self.conv_dim)).transpose(1, 2)
+        xs, B, C = conv.split([self.di, self.N, self.N], -1)
+        xs = xs.reshape(b, T, self.H, self.P)
+        y, h = ssd_scan(xs, dt, -torch.exp(self.A_log), B, C, self.chunk, None if state is None else state[1])
+        return self._out(y, xs, z), (full[..., full.shape[-1] - (self.K - 1):], h)
+
+    def step(self, u, state):
+        """One token per row: u [b, d]; the recurrent form of `forward`."""
+        z, xbc, dt = self._split(self.in_proj(u))
+        win = torch.cat([state[0], xbc[..., None]], -1)                # [b, conv_dim, K]
+        conv = F.silu((win * self.conv_w).sum(-1) + self.conv_b)
+        xs, B, C = conv.split([self.di, self.N, self.N], -1)
+        xs = xs.view(-1, self.H, self.P)
+        dA = torch.exp(dt * -torch.exp(self.A_log))                     # [b, H]
+        h = dA[..., None, None] * state[1] + (dt[..., None] * xs)[..., None] * B[:, None, None, :]
+        y = (h * C[:, None, None, :]).sum(-1)
+        return self._out(y, xs, z), (win[..., 1:], h)
+
+
+class AttentionMixer(torch.nn.Module):
+    """Llama attention + MLP (the Transformer baseline); state = this request's KV cache."""
+
+    def __init__(self, d: int, cfg: dict):
+        super().__init__()
+        self.nh, self.nkv, self.theta, self.eps = cfg["n_heads"], cfg["n_kv_heads"], cfg["rope_theta"], cfg["eps"]
+        self.hd = d // self.nh
+        self.qkv = torch.nn.Linear(d, (self.nh + 2 * self.nkv) * self.hd, bias=False)
+        self.o = torch.nn.Linear(self.nh * self.hd, d, bias=False)
+        self.mlp_norm = torch.nn.Parameter(torch.ones(d))
+        self.gate_up = torch.nn.Linear(d, 2 * cfg["mlp"], bias=False)
+        self.down = torch.nn.Linear(cfg["mlp"], d, bias=False)
+
+    def forward(self, u, state=None):
+        b, T, _ = u.shape
+        q, k, v = self.qkv(u).view(b, T, -1, self.hd).split([self.nh, self.nkv, self.nkv], 2)
+        past = 0 if state is None else state[0].shape[1]
+        pos = torch.arange(past, past + T)
+        q, k = _rope(q, pos, self.theta), _rope(k, pos, self.theta)
+        if state is not None:
+            k, v = torch.cat([state[0], k], 1), torch.cat([state[1], v], 1)
+        rep = self.nh // self.nkv
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(rep, 1),
+                                           v.transpose(1, 2).repeat_interleave(rep, 1),
+                                           is_causal=state is None, enable_gqa=False)
+        x = u + self.o(a.transpose(1, 2).reshape(b, T, -1))
+        g, up = self.gate_up(rms_norm(x, self.mlp_norm, self.eps)).chunk(2, -1)
+        return x + self.down(F.silu(g) * up) - u, (k, v)
+
+    def step(self, u, state):
+        out, st = self.forward(u[:, None], state)
+        return out[:, 0], st
+
+
+class StateSpaceDrafter(torch.nn.Module):
+    """embed (target's, frozen) -> n pre-norm residual mixer blocks -> norm -> head over the draft
+    vocabulary (the target's embedding rows of those tokens, frozen)."""
+
+    def __init__(self, cfg: dict, embed: torch.Tensor, head: torch.Tensor, draft_vocab: torch.Tensor):
+        super().__init__()
+        self.cfg = cfg = {**DEFAULTS, **cfg}
+        d = embed.shape[1]
+        mixer = {"mamba": Mamba2Mixer, "transformer": AttentionMixer}[cfg["kind"]]
+        self.layers = torch.nn.ModuleList(mixer(d, cfg) for _ in range(cfg["n_layers"]))
+        self.norms = torch.nn.Parameter(torch.ones(cfg["n_layers"] + 1, d))
+        self.register_buffer("embed", embed, persistent=False)
+        self.register_buffer("head", head[draft_vocab.long()].clone(), persistent=False)
+        self.register_buffer("draft_vocab", draft_vocab.long())
+
+    def _embed(self, ids):
+        return F.embedding(ids, self.embed).float()
+
+    def forward(self, ids, states=None):
+        """ids [b, T] -> (final hidden [b, T, d], per-layer states after the last token)."""
+        x, out = self._embed(ids), []
+        for i, layer in enumerate(self.layers):
+            y, st = layer(rms_norm(x, self.norms[i], self.cfg["eps"]), None if states is None else states[i])
+            x = x + y
+            out.append(st)
+        return rms_norm(x, self.norms[-1], self.cfg["eps"]), out
+
+    def step(self, ids, states):
+        """ids [b] -> (final hidden [b, d], new states)."""
+        x, out = self._embed(ids), []
+        for i, layer in enumerate(self.layers):
+            y, st = layer.step(rms_norm(x, self.norms[i], self.cfg["eps"]), states[i])
+            x = x + y
+            out.append(st)
+        return rms_norm(x, self.norms[-1], self.cfg["eps"]), out
+
+    def logits(self, h):
+        """Logits over the draft vocabulary (index i is target token draft_vocab[i])."""
+        return h @ self.head.T
+
+    def state_nbytes(self, states) -> int:
+        return sum(t.numel() * t.element_size() for st in states for t in st)
+
+
+@torch.no_grad()
+def greedy_chain_accepted(d: StateSpaceDrafter, prompt: list[int], answer: list[int], k: int) -> tuple[int, int]:
+    """Replay of chain speculation while the target greedily emits `answer` after `prompt`:
+    (verification steps, tokens accepted). Exact for greedy decoding with a token-only drafter."""
+    seq = list(prompt) + [answer[0]]
+    h, st = d(torch.tensor([seq]))
+    h = h[:, -1]
+    j, steps, acc = 1, 0, 0
+    while j < len(answer):
+        drafts, snaps, hs = [], [st], [h]
+        for _ in range(k):
+            t = d.draft_vocab[d.logits(h).argmax(-1)]
+            drafts.append(int(t))
+            h, st = d.step(t, st)
+            snaps.append(st), hs.append(h)
+        a = 0
+        while a < k and j + a < len(answer) and drafts[a] == answer[j + a]:
+            a += 1
+        steps, acc = steps + 1, acc + a
+        if j + a >= len(answer):
+            break
+        h, st = d.step(torch.tensor([answer[j + a]]), snaps[a])
+        j += a + 1
+    return steps, acc
+
+
+class MambaProposer(Proposer):
+    """Chain proposer over a `StateSpaceDrafter` (kind "mamba").
+
+    Slot buffers (preallocated, grown by doubling): per layer and slot, k+1 snapshots of the conv
+    window and SSM state, plus the drafter's last hidden per snapshot. snapshot j = state after the
+    request's tokens + its first j drafts. Each step, for all drafting rows at once: gather
+    snapshot[accepted] of each row, feed the bonus token, then draft k tokens by k recurrent steps
+    (static shapes, no host sync inside the loop; the argmax ids stay on the device)."""
+
+    def __init__(self, num_speculative_tokens: int, drafter: StateSpaceDrafter, max_requests: int = 8):
+        super().__init__(num_speculative_tokens)
+        if drafter.cfg["kind"] != "mamba":
+            raise ValueError("MambaProposer runs kind='mamba' drafters")
+        self.d = drafter.eval().requires_grad_(False)
+        self.slots: dict[str, int] = {}           # req_id -> slot
+        self.ntok: dict[str, int] = {}            # tokens consumed by snapshot 0
+        self.free: list[int] = []
+        self.buf = None
+        self._grow(max(1, max_requests))
+        self.states = self.slots                   # what plugin_state_summary counts
+
+    def _grow(self, n: int) -> None:
+        k1 = self.k + 1
+        d, H = self.d, self.d.embed.shape[1]
+        f32 = torch.float32
+        new = [(torch.zeros(n, k1, L.conv_dim, L.K - 1, dtype=f32), torch.zeros(n, k1, L.H, L.P, L.N, dtype=f32))
+               for L in d.layers]
+        new_h = torch.zeros(n, k1, H, dtype=f32)
+        old = 0 if self.buf is None else self.buf[1].shape[0]
+        if self.buf is not None:
+            for (c, s), (oc, os_) in zip(new, self.buf[0]):
+                c[:old], s[:old] = oc, os_
+            new_h[:old] = self.buf[1]
+        self.buf = (new, new_h)
+        self.free += list(range(n - 1, old - 1, -1))
+
+    def release(self, req_id: str) -> None:
+        slot = self.slots.pop(req_id, None)
+        self.ntok.pop(req_id, None)
+        if slot is not None:
+            self.free.append(slot)
+
+    def state_nbytes(self, req_id: str) -> int:
+        """Bytes one request holds: its slot (fixed size, whatever its context length)."""
+        n = self.buf[1].shape[0]
+        return (sum(c.nbytes + s.nbytes for c, s in self.buf[0]) + self.buf[1].nbytes) // n
+
+    def _prefill(self, req_id: str, tokens: np.ndarray) -> int:
+        if req_id not in self.slots:
+            if not self.free:
+                self._grow(2 * self.buf[1].shape[0])
+            self.slots[req_id] = self.free.pop()
+        slot = self.slots[req_id]
+        with torch.no_grad():
+            h, st = self.d(torch.from_numpy(np.asarray(tokens, dtype=np.int64))[None])
+        for (c, s), (cs, ss) in zip(self.buf[0], st):
+            c[slot, 0], s[slot, 0] = cs[0], ss[0]
+        self.buf[1][slot, 0] = h[0, -1]
+        self.ntok[req_id] = len(tokens)
+        return slot
+
+    @torch.no_grad()
+    def propose(self, ctx: StepContext) -> list:
+        for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
+            self.release(rid)
+        k = min(self.k, ctx.num_speculative_tokens or self.k)
+        rows, slots, snap, bonus = [], [], [], []
+        for i, req in enumerate(ctx.requests):
+            if not req.sampled or k == 0:
+                continue
+            n, a = len(req.token_ids), req.num_accepted
+            prev = self.ntok.get(req.req_id)
+            if prev is None or prev + len(req.sampled) != n or a > self.k:
+                # new, resumed after preemption, or out of step: one parallel scan over all tokens
+                self._prefill(req.req_id, req.token_ids)
+                rows.append(i), slots.append(self.slots[req.req_id]), snap.append(0), bonus.append(-1)
+            else:
+                rows.append(i), slots.append(self.slots[req.req_id]), snap.append(a)
+                bonus.append(int(req.sampled[-1]))
+                self.ntok[req.req_id] = n
+        out: list[list[int]] = [[] for _ in ctx.requests]
+        if not rows:
+            return out
+        sl, sn = torch.tensor(slots), torch.tensor(snap)
+        layers, hbuf = self.buf
+        st = [(c[sl, sn], s[sl, sn]) for c, s in layers]
+        h = hbuf[sl, sn]
+        b = torch.tensor(bonus)
+        fed = b >= 0                                   # rows that just prefilled already consumed it
+        if bool(fed.any()):
+            h2, st2 = self.d.step(b.clamp(min=0), st)
+            m = fed[:, None]
+            h = torch.where(m, h2, h)
+            st = [(torch.where(m[..., None], c2, c), torch.where(m[..., None, None], s2, s))
+                  for (c, s), (c2, s2) in zip(st, st2)]
+        drafts = []
+        for j in range(k + 1):
+            for (c, s), (cb, sb) in zip(st, layers):
+                cb[sl, j], sb[sl, j] = c, s
+            hbuf[sl, j] = h
+            if j == k:
+                break
+            t = self.d.draft_vocab[self.d.logits(h).argmax(-1)]
+            drafts.append(t)
+            h, st = self.d.step(t, st)
+        ids = torch.stack(drafts, 1).tolist()          # the one host sync, after the loop
+        for i, d in zip(rows, ids):
+            out[i] = d
+        return out
+
+
+def load_drafter(path, embed: torch.Tensor, head: torch.Tensor) -> StateSpaceDrafter:
+    """A drafter folder (config.json + model.safetensors) over the target's embeddings / head."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    w = load_file(str(Path(path) / "model.safetensors"))
+    d = StateSpaceDrafter(cfg, embed, head.float(), w["draft_vocab"]).float()
+    d.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in w.items()})
+    return d.eval()

@@ -1,0 +1,135 @@
+"""The Mamba drafter alone (pure torch): parallel scan == recurrence, snapshots roll back exactly,
+per-request memory is flat in the context length, the proposer drafts what the drafter predicts."""
+import numpy as np
+import pytest
+import torch
+
+from vllm_spec_plugins.proposers.base import RequestStep, StepContext
+from vllm_spec_plugins.proposers.mamba import MambaProposer, StateSpaceDrafter, greedy_chain_accepted, ssd_scan
+
+V, D = 300, 32
+
+
+def drafter(kind="mamba", seed=0, **kw):
+    torch.manual_seed(seed)
+    emb = torch.randn(V, D)
+    d = StateSpaceDrafter({"kind": kind, "head_dim": 16, "d_state": 8, "chunk": 8, "n_heads": 4,
+                           "n_kv_heads": 2, "mlp": 48, **kw}, emb, emb, torch.arange(0, V, 2))
+    with torch.no_grad():     # make the recurrence matter: non-trivial decay and mixing
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return d.eval()
+
+
+def test_chunked_scan_equals_recurrence():
+    torch.manual_seed(0)
+    b, T, H, P, N = 2, 29, 3, 4, 5
+    x, B, C = torch.randn(b, T, H, P), torch.randn(b, T, N), torch.randn(b, T, N)
+    dt, A = torch.rand(b, T, H), -torch.rand(H) * 2
+    h0 = torch.randn(b, H, P, N)
+    y, hT = ssd_scan(x, dt, A, B, C, chunk=8, h0=h0)
+    h, ys = h0, []
+    for t in range(T):
+        h = torch.exp(dt[:, t] * A)[..., None, None] * h + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, None, None]
+        ys.append((h * C[:, t, None, None]).sum(-1))
+    torch.testing.assert_close(y, torch.stack(ys, 1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(hT, h, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["mamba", "transformer"])
+def test_prefill_then_steps_equals_one_pass(kind):
+    d = drafter(kind)
+    ids = torch.randint(0, V, (1, 37))
+    with torch.no_grad():
+        full, _ = d(ids)
+        h, st = d(ids[:, :20])
+        outs = [h[:, -1]]
+        for t in range(20, 37):
+            h1, st = d.step(ids[:, t], st)
+            outs.append(h1)
+    torch.testing.assert_close(torch.stack(outs[1:], 1), full[:, 20:], rtol=1e-4, atol=1e-4)
+    assert d.logits(full).shape[-1] == V // 2
+
+
+def test_state_is_flat_in_context_for_mamba_and_grows_for_attention():
+    sizes = {}
+    for kind in ("mamba", "transformer"):
+        d = drafter(kind)
+        with torch.no_grad():
+            sizes[kind] = [d.state_nbytes(d(torch.randint(0, V, (1, n)))[1]) for n in (64, 256)]
+    assert sizes["mamba"][0] == sizes["mamba"][1]
+    assert sizes["transformer"][1] == 4 * sizes["transformer"][0]
+
+
+def _run(prop, d, prompts, answers, ks=None):
+    """Drive the proposer as the runner would, the target greedily emitting `answers`:
+    returns drafts per step per request and accepted totals."""
+    pos = {r: 1 for r in prompts}                              # tokens of the answer emitted so far
+    last = {r: [] for r in prompts}
+    acc = {r: 0 for r in prompts}
+    steps = {r: 0 for r in prompts}
+    while any(pos[r] < len(answers[r]) for r in prompts):
+        reqs = []
+        for r in prompts:
+            if pos[r] >= len(answers[r]):
+                continue
+            if last[r]:
+                drafts, a = last[r], 0
+                while a < len(drafts) and pos[r] + a < len(answers[r]) and drafts[a] == answers[r][pos[r] + a]:
+                    a += 1
+                n_new = min(a + 1, len(answers[r]) - pos[r])
+                sampled = answers[r][pos[r]: pos[r] + n_new]
+                acc[r] += a
+                steps[r] += 1
+                pos[r] += n_new
+                if pos[r] >= len(answers[r]):
+                    continue
+            else:
+                drafts, sampled = [], [answers[r][0]]
+            toks = np.array(prompts[r] + answers[r][:pos[r]])
+            reqs.append(RequestStep(r, toks, sampled, drafts))
+        if not reqs:
+            break
+        out = prop.propose(StepContext(reqs, set(), set(), prop.k))
+        for q, o in zip(reqs, out):
+            last[q.req_id] = o
+    return acc, steps
+
+
+def test_proposer_matches_replay_and_frees_state():
+    d = drafter()
+    torch.manual_seed(1)
+    # answers the drafter partly predicts: its own greedy continuation with every 3rd token changed
+    prompts, answers = {}, {}
+    for r in range(3):
+        p = torch.randint(0, V, (11 + 7 * r,)).tolist()
+        seq = list(p)
+        with torch.no_grad():
+            for j in range(30):
+                h, _ = d(torch.tensor([seq]))
+                t = int(d.draft_vocab[d.logits(h[:, -1]).argmax(-1)])
+                seq.append(t if j % 3 else (t + 1) % V)
+        prompts[f"r{r}"], answers[f"r{r}"] = p, seq[len(p):]
+    prop = MambaProposer(4, d, max_requests=1)        # grows past one slot
+    acc, steps = _run(prop, d, prompts, answers)
+    for r in prompts:
+        s, a = greedy_chain_accepted(d, prompts[r], answers[r], 4)
+        assert (steps[r], acc[r]) == (s, a)
+        assert a > 0
+    assert len(prop.slots) == 3
+    prop.propose(StepContext([], set(prompts), set(), 4))
+    assert not prop.slots and len(prop.free) == prop.buf[1].shape[0]
+
+
+def test_proposer_recovers_from_preemption_and_out_of_step_rows():
+    d = drafter()
+    prop = MambaProposer(3, d)
+    toks = np.array([5, 6, 7, 8])
+    out1 = prop.propose(StepContext([RequestStep("a", toks, [8], [])], set(), set(), 3))[0]
+    # preempted, then resumed with a longer history: recomputed, same drafts as a fresh proposer
+    prop.propose(StepContext([], set(), {"a"}, 3))
+    assert not prop.slots
+    toks2 = np.array([5, 6, 7, 8, 9, 10])
+    got = prop.propose(StepContext([RequestStep("a", toks2, [10], [])], set(), set(), 3))[0]
+    want = MambaProposer(3, d).propose(StepContext([RequestStep("a", toks2, [10], [])], set(), set(), 3))[0]
+    assert got == want and len(out1) == 3

@@ -7,4 +7,4 @@ bash scripts/setup.sh
 . "${VENV:-.venv}/bin/activate"
 python -m vllm_spec_plugins.models build-default >/dev/null   # the embedded default model, once
 if [ $# -eq 0 ]; then set -- -m "not slow"; fi   # network: one small PyPI download, skipped if offline
-python -m pytest -q -p no:cacheprovider "$@" tests
+python -m pytest -q -p no:cacheprovider --durations=15 "$@" tests

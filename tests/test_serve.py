@@ -35,7 +35,9 @@ def _post(url, body, timeout=120):
         return json.loads(r.read())
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+# Default suite: the lookahead and mamba drop-ins; the others (same path through the server) are slow.
+@pytest.mark.parametrize("config", [pytest.param(c, marks=[] if c in ("lookahead.yaml", "mamba_smollm2.yaml")
+                                                 else [pytest.mark.slow]) for c in CONFIGS])
 def test_serve_yaml_dropin(config, default_model, heldout_prompts, tmp_path):
     prompts = heldout_prompts[:3]
     plain = run_isolated({"model": default_model, "groups": {"p": prompts}, "max_tokens": 24,

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-STAGES = ("generate", "cache", "train", "export")
+STAGES = ("generate", "cache", "text", "train", "export")
 DRAFTER_MARKER = "drafter.json"
 GEN_CHUNK = 128
 CACHE_TOPK = 32
@@ -132,10 +132,57 @@ def cache(target: str, work: Path, max_len: int) -> None:
         path.with_suffix(".tmp").replace(path)
 
 
-def load_cache(work: Path) -> list[dict]:
+def text_rows(n: int, seed: int, tokenizer_dir: str, max_len: int) -> list[dict]:
+    """Human-written ShareGPT exchanges (train split): first user turn + first assistant answer,
+    as chat-template token ids. Distillation needs the teacher's distribution, not its text: these
+    cost one teacher pass each, not a generation (measured: generation is the slow stage)."""
+    from transformers import AutoTokenizer
+
+    from vllm_spec_plugins.data import assert_no_heldout, is_englishish, sharegpt_conversations
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    convs = [c for c in sharegpt_conversations("train") if len(c["messages"]) >= 2
+             and c["messages"][0]["role"] == "user" and c["messages"][1]["role"] == "assistant"
+             and is_englishish(c["messages"][0]["content"]) and 20 <= len(c["messages"][1]["content"]) <= 6000]
+    random.Random(seed).shuffle(convs)
     rows = []
-    for p in sorted(work.glob("cache_*.pt")):
-        rows += torch.load(p)
+    for c in convs[:n]:
+        prompt = tok.apply_chat_template(c["messages"][:1], add_generation_prompt=True, tokenize=True)
+        full = tok.apply_chat_template(c["messages"][:2], tokenize=True)
+        if hasattr(prompt, "input_ids"):        # BatchEncoding on newer transformers
+            prompt, full = prompt["input_ids"], full["input_ids"]
+        rows.append({"id": c["id"], "category": "text", "prompt": list(prompt), "answer": list(full[len(prompt):])})
+    assert_no_heldout(r["id"] for r in rows)
+    return rows
+
+
+def cache_text(target: str, work: Path, n: int, seed: int, max_len: int) -> None:
+    """Stage `text`: teacher outputs over `n` human-written exchanges (files text_NNNNN.pt)."""
+    rows = text_rows(n, seed, target, max_len)
+    chunks = [rows[i:i + GEN_CHUNK] for i in range(0, len(rows), GEN_CHUNK)]
+    todo = [i for i in range(len(chunks)) if not (work / f"text_{i:05d}.pt").exists()]
+    if not todo:
+        return
+    model = load_target(target)
+    torch.set_num_threads(os.cpu_count() or 1)
+    for i in _progress(todo, desc="teacher top-k over human text", unit="chunk"):
+        out = []
+        for r in chunks[i]:
+            full = r["prompt"] + r["answer"]
+            cut = max(0, len(full) - max_len)
+            t = teacher_outputs(model, full[cut:])
+            t.update(answer_start=max(0, len(r["prompt"]) - cut), position0=cut, category="text")
+            out.append(t)
+        path = work / f"text_{i:05d}.pt"
+        torch.save(out, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+
+
+def load_cache(work: Path) -> list[dict]:
+    """Cached teacher rows: the target's own answers (cache_*), then human text (text_*)."""
+    rows = []
+    for pattern in ("cache_*.pt", "text_*.pt"):
+        for p in sorted(work.glob(pattern)):
+            rows += torch.load(p)
     return rows
 
 
@@ -457,7 +504,7 @@ def train_ssm(target: str, work: Path, kind: str, minutes: float, steps: int, se
     with torch.no_grad():
         vr = random.Random(seed)
         agree = [ssm_loss(d, _token_batch(val, vr, batch_tokens, max_len), to_draft)[1] for _ in range(8)]
-        tau = replay_tau(d, val[:16], 4)
+        tau = replay_tau(d, [r for r in val if r.get("category") != "text"][:24], 4)   # target's own answers
     report = {"kind": kind, "step": done, "steps": steps, "params": sum(p.numel() for p in d.parameters()),
               "val_agreement": sum(agree) / len(agree), "val_replay_k4": tau, "train_tail": log[-20:]}
     (work / f"{kind}_report.json").write_text(json.dumps(report, indent=1))
@@ -586,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--code", type=int, default=None, help="training code prompts (default: all)")
     ap.add_argument("--summarize", type=int, default=256, help="training summarize prompts")
     ap.add_argument("--max-tokens", type=int, default=128, help="teacher answer length")
+    ap.add_argument("--text", type=int, default=0, help="stage `text`: human-written exchanges to add")
     ap.add_argument("--max-len", type=int, default=640, help="tokens per cached sequence (the tail)")
     ap.add_argument("--dtype", default="bfloat16", help="dtype of the teacher's vLLM runs")
     ap.add_argument("--minutes", type=float, default=25.0, help="training time budget (this call)")
@@ -611,6 +659,8 @@ def main(argv: list[str] | None = None) -> int:
         generate(target, work, rows, a.max_tokens, 64, a.dtype)
     if "cache" in a.stages:
         cache(target, work, a.max_len)
+    if "text" in a.stages:
+        cache_text(target, work, a.text, a.seed, a.max_len)
     if "train" in a.stages:
         if a.drafter == "eagle":
             train(target, work, a.minutes, a.steps, a.seed, a.lr, a.batch_tokens, 384)

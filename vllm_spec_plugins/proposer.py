@@ -75,7 +75,7 @@ def tree_eligible(runner, i: int, rid: str) -> bool:
     sp = getattr(req, "sampling_params", None)
     if sp is None:
         return False
-    return not (sp.structured_outputs or sp.min_p or sp.logit_bias or sp.prompt_logprobs)
+    return not (sp.structured_outputs or sp.min_p or sp.logit_bias or sp.prompt_logprobs or sp.min_tokens)
 
 
 def _first_path(tree) -> list[int]:

@@ -107,29 +107,32 @@ def teacher_outputs(model, ids: list[int], topk: int = CACHE_TOPK) -> dict:
             "topk_idx": idx.to(torch.int32), "topk_val": val.to(torch.float16)}
 
 
-def cache(target: str, work: Path, max_len: int) -> None:
-    rows = _load_generations(work)
-    if not rows:
-        raise SystemExit(f"no teacher answers in {work}: run the `generate` stage first")
+def _cache_rows(target: str, work: Path, rows: list[dict], prefix: str, desc: str, max_len: int) -> None:
+    """Teacher outputs over prompt + answer of `rows`, in chunk files `{prefix}_NNNNN.pt` (resumable)."""
     chunks = [rows[i:i + GEN_CHUNK] for i in range(0, len(rows), GEN_CHUNK)]
-    todo = [i for i in range(len(chunks)) if not (work / f"cache_{i:05d}.pt").exists()]
+    todo = [i for i in range(len(chunks)) if not (work / f"{prefix}_{i:05d}.pt").exists()]
     if not todo:
         return
     model = load_target(target)
     torch.set_num_threads(os.cpu_count() or 1)
-    for i in _progress(todo, desc="teacher hidden states + top-k", unit="chunk"):
+    for i in _progress(todo, desc=desc, unit="chunk"):
         out = []
         for r in chunks[i]:
             full = r["prompt"] + r["answer"]
             cut = max(0, len(full) - max_len)            # keep the tail: all of the answer
             t = teacher_outputs(model, full[cut:])
-            t["answer_start"] = max(0, len(r["prompt"]) - cut)
-            t["position0"] = cut
-            t["category"] = r["category"]
+            t.update(answer_start=max(0, len(r["prompt"]) - cut), position0=cut, category=r["category"])
             out.append(t)
-        path = work / f"cache_{i:05d}.pt"
+        path = work / f"{prefix}_{i:05d}.pt"
         torch.save(out, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").replace(path)
+
+
+def cache(target: str, work: Path, max_len: int) -> None:
+    rows = _load_generations(work)
+    if not rows:
+        raise SystemExit(f"no teacher answers in {work}: run the `generate` stage first")
+    _cache_rows(target, work, rows, "cache", "teacher hidden states + top-k", max_len)
 
 
 def text_rows(n: int, seed: int, tokenizer_dir: str, max_len: int) -> list[dict]:
@@ -157,24 +160,7 @@ def text_rows(n: int, seed: int, tokenizer_dir: str, max_len: int) -> list[dict]
 
 def cache_text(target: str, work: Path, n: int, seed: int, max_len: int) -> None:
     """Stage `text`: teacher outputs over `n` human-written exchanges (files text_NNNNN.pt)."""
-    rows = text_rows(n, seed, target, max_len)
-    chunks = [rows[i:i + GEN_CHUNK] for i in range(0, len(rows), GEN_CHUNK)]
-    todo = [i for i in range(len(chunks)) if not (work / f"text_{i:05d}.pt").exists()]
-    if not todo:
-        return
-    model = load_target(target)
-    torch.set_num_threads(os.cpu_count() or 1)
-    for i in _progress(todo, desc="teacher top-k over human text", unit="chunk"):
-        out = []
-        for r in chunks[i]:
-            full = r["prompt"] + r["answer"]
-            cut = max(0, len(full) - max_len)
-            t = teacher_outputs(model, full[cut:])
-            t.update(answer_start=max(0, len(r["prompt"]) - cut), position0=cut, category="text")
-            out.append(t)
-        path = work / f"text_{i:05d}.pt"
-        torch.save(out, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").replace(path)
+    _cache_rows(target, work, text_rows(n, seed, target, max_len), "text", "teacher top-k over human text", max_len)
 
 
 def load_cache(work: Path) -> list[dict]:

@@ -122,6 +122,27 @@ class Mamba2Mixer(torch.nn.Module):
         y = (h * C[:, None, None, :]).sum(-1)
         return self._out(y, xs, z), (win[..., 1:], h)
 
+    def steps(self, u, state):
+        """A few tokens per row in one pass, with the state after each: u [b, T, d] ->
+        (out [b, T, d], (conv windows [b, T, conv_dim, K-1], ssm [b, T, H, P, N])). The
+        projections and the convolution are batched over T; only the state update loops."""
+        b, T, _ = u.shape
+        z, xbc, dt = self._split(self.in_proj(u))
+        full = torch.cat([state[0], xbc.transpose(1, 2)], -1)          # [b, conv_dim, K-1+T]
+        conv = F.silu(F.conv1d(full, self.conv_w[:, None], self.conv_b, groups=self.conv_dim)).transpose(1, 2)
+        xs, B, C = conv.split([self.di, self.N, self.N], -1)
+        xs = xs.reshape(b, T, self.H, self.P)
+        dA = torch.exp(dt * -torch.exp(self.A_log))                     # [b, T, H]
+        dx = (dt[..., None] * xs)[..., None] * B[:, :, None, None, :]   # [b, T, H, P, N]
+        h, hs = state[1], []
+        for t in range(T):
+            h = dA[:, t, :, None, None] * h + dx[:, t]
+            hs.append(h)
+        hs = torch.stack(hs, 1)
+        y = (hs * C[:, :, None, None, :]).sum(-1)
+        wins = torch.stack([full[..., t + 1: t + self.K] for t in range(T)], 1)
+        return self._out(y, xs, z), (wins, hs)
+
 
 class AttentionMixer(torch.nn.Module):
     """Llama attention + MLP (the Transformer baseline); state = this request's KV cache."""
@@ -189,6 +210,16 @@ class StateSpaceDrafter(torch.nn.Module):
         x, out = self._embed(ids), []
         for i, layer in enumerate(self.layers):
             y, st = layer.step(rms_norm(x, self.norms[i], self.cfg["eps"]), states[i])
+            x = x + y
+            out.append(st)
+        return rms_norm(x, self.norms[-1], self.cfg["eps"]), out
+
+    def steps(self, ids, states):
+        """ids [b, T] -> (final hidden [b, T, d], per layer (conv [b, T, ...], ssm [b, T, ...]):
+        the state after each of the T tokens). Mamba layers only."""
+        x, out = self._embed(ids), []
+        for i, layer in enumerate(self.layers):
+            y, st = layer.steps(rms_norm(x, self.norms[i], self.cfg["eps"]), states[i])
             x = x + y
             out.append(st)
         return rms_norm(x, self.norms[-1], self.cfg["eps"]), out

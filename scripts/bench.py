@@ -36,6 +36,9 @@ DEFAULT_CONFIGS = {
                                          .shipped_drafter())},
     # the plugin's Mamba drafter trained for SmolLM2-135M-Instruct (shipped)
     "mamba": {"method": "mamba", "num_speculative_tokens": 4, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
+    # n-gram lookup drafts for that Mamba drafter, which drafts for the target
+    "cascade": {"method": "cascade", "num_speculative_tokens": 8, "drafter_steps": 3,
+                "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
 }
 # bf16 logits of magnitude 16..32 are spaced 0.125 apart: a top-2 margin of a few such steps
 # is within the rounding that a different kernel shape (verifying k tokens) produces.
@@ -112,6 +115,51 @@ def shape_name(shape) -> str:
 
 def is_bandit(spec) -> bool:
     return isinstance(spec, dict) and spec.get("method") == "bandit_tree"
+
+
+def is_cascade(spec) -> bool:
+    return isinstance(spec, dict) and spec.get("method") == "cascade"
+
+
+def cascade_levels(g: dict) -> dict | None:
+    """Per level of a cascade, from the proposer's counters over one category: how many tokens each
+    level handed on, how many the next level kept, and its share of the wall time."""
+    st = g.get("plugin_stats")
+    if not st or not st.get("steps"):
+        return None
+    sec = g["seconds"] or 1.0
+    return {
+        "ngram": {"proposed": st["level0_proposed"], "kept_by_drafter": st["level0_kept"],
+                  "drafter_acceptance": st["level0_kept"] / st["level0_proposed"] if st["level0_proposed"] else 0.0,
+                  "to_target": st["target_drafts_level0"], "accepted_by_target": st["target_accepted_level0"],
+                  "target_acceptance": st["target_accepted_level0"] / st["target_drafts_level0"]
+                  if st["target_drafts_level0"] else 0.0, "time_share": st["level0_s"] / sec},
+        "mamba": {"to_target": st["target_drafts_drafter"], "accepted_by_target": st["target_accepted_drafter"],
+                  "target_acceptance": st["target_accepted_drafter"] / st["target_drafts_drafter"]
+                  if st["target_drafts_drafter"] else 0.0, "time_share": st["drafter_s"] / sec},
+        "target": {"time_share": max(0.0, 1.0 - (st["level0_s"] + st["drafter_s"]) / sec)},
+        "drafts_per_step": st["drafter_tokens"] / st["steps"],
+    }
+
+
+def print_cascade(results, cats):
+    for name, rows in results.items():
+        if not any("cascade_levels" in rows[c] for c in cats):
+            continue
+        print(f"\n{name} (per level):")
+        print("| category | level | to next level | kept by next | time share |\n|---|---|---|---|---|")
+        for cat in cats:
+            lv = rows[cat].get("cascade_levels")
+            if not lv:
+                continue
+            n, m = lv["ngram"], lv["mamba"]
+            print(f"| {cat} | ngram -> mamba | {n['proposed']} | {n['kept_by_drafter']} ({n['drafter_acceptance']:.2f}) | "
+                  f"{n['time_share']:.1%} |")
+            print(f"| {cat} | ngram tokens -> target | {n['to_target']} | {n['accepted_by_target']} "
+                  f"({n['target_acceptance']:.2f}) | |")
+            print(f"| {cat} | mamba -> target | {m['to_target']} | {m['accepted_by_target']} ({m['target_acceptance']:.2f}) | "
+                  f"{m['time_share']:.1%} |")
+            print(f"| {cat} | target | | | {lv['target']['time_share']:.1%} |")
 
 
 def load_groups(args) -> dict:
@@ -336,7 +384,8 @@ def main(argv=None):
     for name, spec in bar:
         bar.set_postfix_str(name)
         t0 = time.perf_counter()
-        r = run_isolated({**base, "speculative_config": spec, "report_plugin_state": is_bandit(spec)}, env=env)
+        r = run_isolated({**base, "speculative_config": spec, "report_plugin_state": is_bandit(spec),
+                          "report_plugin_stats": is_cascade(spec)}, env=env)
         r["wall_s"] = time.perf_counter() - t0
         raw.setdefault(name, r)     # the first repeat's outputs and counters
         for cat, g in r["groups"].items():
@@ -354,6 +403,11 @@ def main(argv=None):
             plain_runs[cat] = [a, b]
             g["tokens_per_s"] = (a + b) / 2
     results = {name: summarize(r, raw["plain"], greedy) for name, r in raw.items()}
+    for name, r in raw.items():
+        for cat, g in r["groups"].items():
+            lv = cascade_levels(g)
+            if lv:
+                results[name][cat]["cascade_levels"] = lv
     for cat, pair in plain_runs.items():
         results["plain"][cat]["tokens_per_s_first_last"] = pair
     for name, cats_ in speeds.items():
@@ -379,6 +433,7 @@ def main(argv=None):
         json.dump(out, f, indent=1)
     print_table(results, cats)
     print_bandit(results, cats)
+    print_cascade(results, cats)
     png = args.plot or os.path.splitext(args.json)[0] + ".png"
     plot(results, cats, png, f"batch {args.batch_size}, {args.dtype}, T={args.temperature}, "
                              f"{args.max_tokens} tokens")

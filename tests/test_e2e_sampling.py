@@ -60,10 +60,11 @@ def references(tiny_model, tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("method", ["lookahead", "oracle_tree", "oracle_chain", "bandit_tree", "mamba"])
+@pytest.mark.parametrize("method", ["lookahead", "oracle_tree", "oracle_chain", "bandit_tree", "mamba", "cascade"])
 def test_sampled_follows_target(method, tiny_model, plain, references, tiny_mamba_drafter):
     spec = {"lookahead": {"method": "lookahead", "num_speculative_tokens": 3},
             "mamba": {"method": "mamba", "num_speculative_tokens": 3, "model": tiny_mamba_drafter},
+            "cascade": {"method": "cascade", "num_speculative_tokens": 6, "model": tiny_mamba_drafter},
             "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 8, "exploration": 1.0},
             "oracle_chain": {"method": "oracle", "num_speculative_tokens": 3, "references": references},
             "oracle_tree": {"method": "oracle", "num_speculative_tokens": 8, "references": references,

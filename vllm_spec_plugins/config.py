@@ -62,6 +62,16 @@ METHODS: dict[str, dict[str, Key]] = {
         "model": Key(None, kind=str, help="Mamba drafter folder made by `python -m vllm_spec_plugins.drafters "
                      "--drafter mamba`, or 'vllm_spec_plugins:smollm2-135m-instruct-mamba' (shipped)"),
     },
+    "cascade": {
+        "num_speculative_tokens": Key(8, 1, 16, int, "max drafts handed to the target per step"),
+        "levels": Key(["ngram", "mamba"], kind=list, help="draft levels, cheapest first; each drafts for the "
+                      "next, the last for the target. This release: ['ngram', 'mamba']"),
+        "model": Key(None, kind=str, help="the 'mamba' level's drafter folder (`python -m vllm_spec_plugins.drafters "
+                     "--drafter mamba`) or 'vllm_spec_plugins:smollm2-135m-instruct-mamba' (shipped)"),
+        "drafter_steps": Key(3, 0, 16, int, "sequential drafter steps after its one-pass check of the n-gram level"),
+        "prompt_lookup_min": Key(1, 1, 16, int, "n-gram level: min match length"),
+        "prompt_lookup_max": Key(3, 1, 16, int, "n-gram level: max match length"),
+    },
     # Test proposers: drafts from a reference file {prompt ids -> plain greedy output ids}.
     "oracle": {
         "num_speculative_tokens": Key(4, 1, 64, int, "draft chain length / tree node budget"),
@@ -76,8 +86,6 @@ METHODS: dict[str, dict[str, Key]] = {
         "tree_depth": Key(3, 1, 64, int, "depth of the true branch hidden in the tree"),
     },
 }
-# Named in the design, not shipped yet: refused with a clear message rather than half-working.
-PLANNED = ("cascade",)
 # vLLM SpeculativeConfig keys users may still set next to ours.
 PASSTHROUGH = ("enforce_eager", "disable_padded_drafter_batch", "num_speculative_tokens_per_batch_size")
 
@@ -97,7 +105,7 @@ def fold_cli_flags(engine_args) -> dict | None:
     """Merge --spec-method/--spec-tokens into the dict when the method is ours (vLLM does the rest)."""
     spec = engine_args.speculative_config
     method = getattr(engine_args, "spec_method", None)
-    if method in METHODS or method in PLANNED:
+    if method in METHODS:
         spec = dict(spec or {})
         for flag, key, value in (("--spec-method", "method", method),
                                  ("--spec-model", "model", getattr(engine_args, "spec_model", None)),
@@ -111,7 +119,7 @@ def fold_cli_flags(engine_args) -> dict | None:
         engine_args.speculative_config = spec
     if isinstance(spec, dict):
         method = spec.get("method")
-        if method is not None and method not in METHODS and method not in PLANNED:
+        if method is not None and method not in METHODS:
             allowed = sorted(set(_vllm_methods()) | set(METHODS) - {"oracle", "adversarial"})
             if method not in allowed:
                 raise ValueError(f"speculative_config.method={method!r} is unknown; allowed: "
@@ -120,16 +128,13 @@ def fold_cli_flags(engine_args) -> dict | None:
 
 
 def is_plugin_config(spec) -> bool:
-    return isinstance(spec, dict) and (spec.get("method") in METHODS or spec.get("method") in PLANNED)
+    return isinstance(spec, dict) and (spec.get("method") in METHODS)
 
 
 def validate(spec: dict) -> dict:
     """Checked, defaulted parameters of one of our methods; ValueError naming the field otherwise."""
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
     method = spec.get("method")
-    if method in PLANNED:
-        raise ValueError(f"speculative_config.method={method!r} is not available in this release of "
-                         f"vllm-spec-plugins; available: {', '.join(m for m in METHODS if m not in ('oracle', 'adversarial'))}")
     keys = METHODS[method]
     unknown = set(spec) - set(keys) - set(PASSTHROUGH) - {"method"}
     if unknown:
@@ -178,6 +183,14 @@ def validate(spec: dict) -> dict:
         raise ValueError("speculative_config: need tree_depth <= tree_nodes <= num_speculative_tokens")
     if method == "mamba":
         _check_ssm_drafter(out["model"])
+    if method == "cascade":
+        if out["levels"] != ["ngram", "mamba"]:
+            raise ValueError(f"speculative_config.levels={out['levels']!r}: this release runs the cascade "
+                             "['ngram', 'mamba'] (n-gram lookup drafts for the Mamba drafter, which drafts "
+                             "for the target)")
+        if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
+            raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
+        _check_ssm_drafter(out["model"], method)
     if out.get("references"):
         _check_readable(out["references"], "references")
     return out
@@ -211,7 +224,7 @@ def _check_bandit(out: dict) -> None:
         raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
 
 
-def _check_ssm_drafter(path: str) -> None:
+def _check_ssm_drafter(path: str, method: str = "mamba") -> None:
     import json
     import os
     marker = os.path.join(path, "drafter.json")
@@ -225,7 +238,7 @@ def _check_ssm_drafter(path: str) -> None:
     with open(marker) as fh:
         kind = json.load(fh).get("kind")
     if kind != "mamba":
-        raise ValueError(f"speculative_config.model={path!r} is a {kind!r} drafter; method 'mamba' "
+        raise ValueError(f"speculative_config.model={path!r} is a {kind!r} drafter; method {method!r} "
                          "runs drafters of kind 'mamba'")
 
 
@@ -308,6 +321,6 @@ def translate(spec: dict, target_model_config=None) -> tuple[dict, dict]:
             vllm_spec[k] = spec[k]
     if target_model_config is not None:
         params["vocab_size"] = target_model_config.get_vocab_size()
-        if params["method"] == "mamba":      # the drafter reads the target's embeddings / head
+        if params["method"] in ("mamba", "cascade"):      # the drafter reads the target's embeddings / head
             params["target"] = target_model_config.model
     return vllm_spec, params

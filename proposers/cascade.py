@@ -7,10 +7,12 @@ Per step and request (all rows batched):
            [bonus, c1..cm]: projections batched, states kept per position) and keeps the longest
            prefix c1..ca equal to its own greedy choices, plus its own next token (free); then
            `drafter_steps` recurrent steps extend the chain.
-The target sees exactly the drafter's own greedy chain (a level-0 token is kept only where the
-drafter would have drafted it), but a0 of those tokens cost one batched pass instead of a0
-sequential steps, so the chain to the target grows where the n-gram level is right (code, quotes,
-repeats) at the cost of a plain Mamba step.
+With `drafter_top_k=1` the target sees exactly the drafter's own greedy chain (a level-0 token is
+kept only where the drafter would have drafted it), but a0 of those tokens cost one batched pass
+instead of a0 sequential steps, so the chain grows where the n-gram level is right (code, quotes,
+repeats). With `drafter_top_k=K` the drafter keeps a level-0 token it ranks in its top K: the
+n-gram level wins near-ties against the drafter's own guess; with `drafter_top_k=0` every level-0
+token is kept (the target judges them; the drafter only extends the chain past them).
 
 Snapshots as in `MambaProposer`: snapshot j = drafter state after the request's tokens and its first
 j drafts, for every draft handed out, so a rejection resumes with no recomputation.
@@ -28,9 +30,10 @@ from vllm_spec_plugins.proposers.mamba import MambaProposer, StateSpaceDrafter
 
 class CascadeProposer(MambaProposer):
     def __init__(self, num_speculative_tokens: int, drafter: StateSpaceDrafter, max_requests: int = 8,
-                 drafter_steps: int = 3, ngram_min: int = 1, ngram_max: int = 3):
+                 drafter_steps: int = 3, ngram_min: int = 1, ngram_max: int = 3, drafter_top_k: int = 1):
         super().__init__(num_speculative_tokens, drafter, max_requests)
         self.drafter_steps, self.ngram_min, self.ngram_max = drafter_steps, ngram_min, ngram_max
+        self.top_k = drafter_top_k
         self.origin: dict[str, int] = {}         # req_id -> drafts of last step that came from level 0
         # per-level accounting (bench / plugin_state_summary): tokens proposed by level 0, kept by
         # the drafter, handed to the target per level and accepted by it per level; seconds per level
@@ -92,9 +95,17 @@ class CascadeProposer(MambaProposer):
         layers, _ = self.buf
         st = [(c[sl, sn], s[sl, sn]) for c, s in layers]
         h, sts = self.d.steps(x, st)                             # one pass over bonus + level 0
-        g = self.d.draft_vocab[self.d.logits(h).argmax(-1)]      # [b, T]: drafter's choice after each
+        lg = self.d.logits(h)
+        g = self.d.draft_vocab[lg.argmax(-1)]                    # [b, T]: drafter's choice after each
         j = torch.arange(T - 1)
-        agree = (x[:, 1:] == g[:, :-1]) & (j[None] < m[:, None])
+        if self.top_k == 0:     # keep every level-0 token: the target verifies them directly
+            agree = torch.ones(len(rows), T - 1, dtype=torch.bool)
+        elif self.top_k > 1:    # keep a level-0 token the drafter ranks in its top k
+            top = self.d.draft_vocab[lg[:, :-1].topk(self.top_k, -1).indices]   # [b, T-1, top_k]
+            agree = (top == x[:, 1:, None]).any(-1)
+        else:
+            agree = x[:, 1:] == g[:, :-1]
+        agree &= j[None] < m[:, None]
         a0 = agree.int().cumprod(1).sum(1) if T > 1 else torch.zeros(len(rows), dtype=torch.long)
         r = torch.arange(len(rows))
         # snapshots 0..a0 come straight from the pass (snapshot j = after bonus + j drafts)

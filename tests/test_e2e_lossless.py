@@ -45,7 +45,7 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
     if method in ("mamba", "cascade"):   # the shipped, trained drafter: accepts, so rollback runs
         spec["model"] = "vllm_spec_plugins:smollm2-135m-instruct-mamba"
     if method == "cascade":
-        spec |= {"num_speculative_tokens": 8, "drafter_steps": 2}
+        spec |= {"num_speculative_tokens": 8, "drafter_steps": 2, "drafter_top_k": 4}
     res = run_isolated(_job(default_model, heldout_prompts, spec, batch_size,
                             report_plugin_state=True))
     got = res["groups"]["all"]

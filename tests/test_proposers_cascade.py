@@ -61,3 +61,29 @@ def test_cascade_recovers_from_preemption_and_single_token_prompts():
     toks = np.array([5, 6, 7, 5, 6, 7, 5, 6])
     got = prop.propose(StepContext([RequestStep("a", toks, [6], [])], set(), set(), 6))[0]
     assert 4 <= len(got) <= 6
+
+
+def test_drafter_top_k_keeps_more_level0_tokens():
+    d = drafter()
+    torch.manual_seed(5)
+    prompts, answers = {}, {}
+    for r in range(3):
+        p = torch.randint(0, V, (12,)).tolist()
+        p = p + p[:6]                                            # repeats: the n-gram level proposes
+        prompts[f"r{r}"], answers[f"r{r}"] = p, (p[6:12] * 5)[:30]
+    kept = {}
+    for top_k in (1, 8):
+        prop = CascadeProposer(8, d, drafter_steps=2, drafter_top_k=top_k)
+        acc, _ = _run(prop, d, prompts, answers)
+        kept[top_k] = (prop.stats["level0_kept"], prop.stats["target_accepted_level0"])
+    assert kept[8][0] > kept[1][0] and kept[8][1] > kept[1][1], kept
+
+
+def test_drafter_top_k_0_hands_the_whole_ngram_draft_on():
+    d = drafter()
+    prop = CascadeProposer(8, d, drafter_steps=2, drafter_top_k=0)
+    toks = np.array([5, 6, 7, 8, 9, 5, 6])                      # n-gram continuation of "5 6": 7 8 9 5 6
+    out = prop.propose(StepContext([RequestStep("a", toks, [6], [])], set(), set(), 8))[0]
+    assert out[:5] == [7, 8, 9, 5, 6] and len(out) == 8
+    want = greedy_chain(d, list(toks) + out[:5], 3)            # then the drafter's own chain from there
+    assert out[5:] == want

@@ -27,6 +27,7 @@ METHODS = {
     "lookahead": {"method": "lookahead", "num_speculative_tokens": 6},
     "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 16},
     "mamba": {"method": "mamba", "num_speculative_tokens": 4, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
+    "cascade": {"method": "cascade", "num_speculative_tokens": 8, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
 }
 JSON_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}, "confidence": {"type": "integer"}},
                "required": ["answer", "confidence"]}
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_spec_plugins.models import default_model_dir
     ap = argparse.ArgumentParser(prog="scripts/load.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="target folder (default: the embedded SmolLM2-135M)")
-    ap.add_argument("--methods", default="plain,lookahead,bandit_tree,mamba",
+    ap.add_argument("--methods", default="plain,lookahead,bandit_tree,mamba,cascade",
                     help="comma list from " + ", ".join(METHODS) + " (plain is always run first)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32, help="client concurrency = --max-num-seqs")

@@ -58,7 +58,7 @@ def build_proposer(params: dict, max_requests: int = 8) -> Proposer:
             raise ValueError("method 'cascade' needs the target folder (params['target']), set by the config hook")
         return CascadeProposer(k, load_drafter(p["model"], *target_embeddings(p["target"])), max_requests,
                                drafter_steps=p["drafter_steps"], ngram_min=p["prompt_lookup_min"],
-                               ngram_max=p["prompt_lookup_max"])
+                               ngram_max=p["prompt_lookup_max"], drafter_top_k=p["drafter_top_k"])
     if method in ("oracle", "adversarial"):
         from vllm_spec_plugins.proposers import testing
         refs = testing.load_references(p["references"]) if p["references"] else {}

@@ -69,7 +69,7 @@ METHODS: dict[str, dict[str, Key]] = {
         "model": Key(None, kind=str, help="the 'mamba' level's drafter folder (`python -m vllm_spec_plugins.drafters "
                      "--drafter mamba`) or 'vllm_spec_plugins:smollm2-135m-instruct-mamba' (shipped)"),
         "drafter_steps": Key(3, 0, 16, int, "sequential drafter steps after its one-pass check of the n-gram level"),
-        "drafter_top_k": Key(1, 0, 64, int, "the drafter keeps an n-gram token it ranks in its top k (1: only its own greedy choice; 0: all)"),
+        "drafter_top_k": Key(0, 0, 64, int, "the drafter keeps an n-gram token it ranks in its top k (1: only its own greedy choice; 0: all)"),
         "prompt_lookup_min": Key(1, 1, 16, int, "n-gram level: min match length"),
         "prompt_lookup_max": Key(3, 1, 16, int, "n-gram level: max match length"),
     },

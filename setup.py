@@ -12,7 +12,7 @@ setup(
     package_dir={"vllm_spec_plugins": "vllm_spec_plugins",
                  "vllm_spec_plugins.proposers": "proposers",
                  "vllm_spec_plugins.scorers": "scorers"},
-    package_data={"vllm_spec_plugins": ["configs/*.yaml", "assets/*/*"]},
+    package_data={"vllm_spec_plugins": ["configs/*.yaml", "assets/*/*", "csrc/*.c"]},
     # No hard vLLM requirement: the CUDA build is several GB. Pick one extra.
     install_requires=["numpy", "pyyaml", "tqdm"],
     extras_require={

@@ -220,11 +220,19 @@ def _greedy_walk(tree: DraftTree, argmax: list[int]) -> AcceptResult:
     return AcceptResult([tok[i] for i in nodes], argmax[row], nodes)
 
 
-def greedy_accept(tree: DraftTree, target_logits: torch.Tensor) -> AcceptResult:
-    """target_logits: [1+n, vocab] logits, or [1+n] target argmax ids."""
-    if target_logits.shape[0] != len(tree) + 1:
-        raise ValueError(f"expected {len(tree) + 1} target rows, got {target_logits.shape[0]}")
-    ids = target_logits if target_logits.dim() == 1 else target_logits.argmax(-1)
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim (first maximum, as torch.argmax), in fp32: exact for bf16/fp16
+    logits and ~4x faster than their own argmax on CPU."""
+    return (logits if logits.dtype == torch.float32 else logits.float()).argmax(-1)
+
+
+def greedy_accept(tree: DraftTree, target_logits: torch.Tensor | list[int]) -> AcceptResult:
+    """target_logits: [1+n, vocab] logits, or the [1+n] target argmax ids (tensor or list)."""
+    if len(target_logits) != len(tree) + 1:
+        raise ValueError(f"expected {len(tree) + 1} target rows, got {len(target_logits)}")
+    if isinstance(target_logits, list):
+        return _greedy_walk(tree, target_logits)
+    ids = target_logits if target_logits.dim() == 1 else row_argmax(target_logits)
     return _greedy_walk(tree, ids.tolist())
 
 

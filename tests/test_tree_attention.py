@@ -19,11 +19,34 @@ pytest.importorskip("vllm._custom_ops")
 from vllm import _custom_ops as ops  # noqa: E402
 
 from vllm_spec_plugins.scorers import DraftTree, reference_tree_attention  # noqa: E402
-from vllm_spec_plugins.tree_attention import (attn_isa, build_tree_plan, copy_kv_slots, cpu_tree_attention,  # noqa: E402
-                                              gather_kv, read_kv_slots, tree_qq_bias)
+from vllm_spec_plugins.tree_attention import (attn_isa, build_native_plan, build_tree_plan, copy_kv_slots,  # noqa: E402
+                                              cpu_tree_attention, gather_kv, native_supported, read_kv_slots,
+                                              tree_qq_bias)
+from vllm_spec_plugins import native as native_kernel  # noqa: E402
 from vllm_spec_plugins import tree_attention as ta  # noqa: E402
 
 BS = 32
+
+
+@pytest.fixture(params=[pytest.param(True, id="c-kernel"), pytest.param(False, id="torch")])
+def native(request):
+    """Both implementations of cpu_tree_attention: the C kernel (default where it builds) and
+    the torch path (its fallback)."""
+    return request.param
+
+
+def plan_for(b, masks, native):
+    return (build_native_plan(b.seq_lens, b.qsl, masks) if native
+            else build_tree_plan(b.block_tables, b.seq_lens, b.qsl, masks, BS))
+
+
+def test_c_kernel_builds_and_is_the_default(tmp_path):
+    """gcc is on every machine this project runs on: the kernel must build, and be picked."""
+    lib = native_kernel.build(tmp_path)
+    assert lib.exists() and native_kernel.build(tmp_path) == lib          # built once
+    q = torch.zeros(1, 4, 64)
+    assert native_kernel.library() is not None and native_supported(q, torch.zeros(1, 4, BS, 64))
+    assert not native_supported(q.half(), torch.zeros(1, 4, BS, 64).half())   # fp16: torch path
 
 
 def _isas():
@@ -48,9 +71,10 @@ class Batch:
     """A hand-built step: requests with prefix_len cached tokens and q_len new rows whose K/V
     are already in the cache (as vLLM does before attention)."""
 
-    def __init__(self, specs, H, Hkv, D, dtype=torch.float32, isa=None, seed=0, spare_blocks=7):
+    def __init__(self, specs, H, Hkv, D, dtype=torch.float32, isa=None, seed=0, spare_blocks=7, bs=None):
+        BS = bs or globals()["BS"]
         g = torch.Generator().manual_seed(seed)
-        self.H, self.Hkv, self.D, self.dtype = H, Hkv, D, dtype
+        self.H, self.Hkv, self.D, self.dtype, self.bs = H, Hkv, D, dtype, BS
         self.isa = isa or attn_isa(dtype, BS, D)
         self.prefix = [p for p, _ in specs]
         self.q_len = [t for _, t in specs]
@@ -155,20 +179,20 @@ def test_copy_kv_slots(dtype, isa):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("H,Hkv", [(4, 4), (9, 3)])
-def test_chain_equals_vllm_causal_kernel(H, Hkv):
+def test_chain_equals_vllm_causal_kernel(H, Hkv, native):
     """A chain tree is causal decoding: the whole layout (blocks, slots, ISA packing, GQA) must
     reproduce vLLM's own kernel."""
     b = Batch([(37, 8), (0, 5), (200, 16), (63, 1)], H=H, Hkv=Hkv, D=64)
     masks = {r: torch.ones(t, t).tril().bool() for r, t in enumerate(b.q_len)}
-    got = b.tree_attention(masks)
+    got = b.tree_attention(masks, native=native)
     want = b.vllm_causal()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_chain_equals_vllm_causal_kernel_bf16():
+def test_chain_equals_vllm_causal_kernel_bf16(native):
     b = Batch([(37, 8), (200, 16)], H=9, Hkv=3, D=64, dtype=torch.bfloat16)   # amx where available
     masks = {r: torch.ones(t, t).tril().bool() for r, t in enumerate(b.q_len)}
-    got, want = b.tree_attention(masks), b.vllm_causal()
+    got, want = b.tree_attention(masks, native=native), b.vllm_causal()
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -188,14 +212,14 @@ def _path_causal(b: Batch, r: int, tree: DraftTree) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("H,Hkv", [(4, 2), (9, 3)])
-def test_random_trees_batch(H, Hkv):
+def test_random_trees_batch(H, Hkv, native):
     rnd = random.Random(H)
     trees = {0: random_tree(rnd, 15), 2: random_tree(rnd, 6, "star"), 3: random_tree(rnd, 9), 5: random_tree(rnd, 1)}
     # rows 1 (chunked prefill) and 4 (decode) are not trees and must stay untouched
     specs = [(50, 16), (20, 33), (0, 7), (130, 10), (77, 1), (31, 2)]
     b = Batch(specs, H=H, Hkv=Hkv, D=64, seed=H)
     masks = {r: t.ancestor_mask() for r, t in trees.items()}
-    out = b.tree_attention(masks)
+    out = b.tree_attention(masks, native=native)
     for r in range(len(specs)):
         if r in trees:
             torch.testing.assert_close(out[b.rows(r)], b.reference(r, masks[r]), atol=1e-5, rtol=1e-5)
@@ -204,19 +228,46 @@ def test_random_trees_batch(H, Hkv):
             assert (out[b.rows(r)] == 7.0).all()
     # out as [num_tokens, H * D], an explicit plan, a single request: same numbers
     flat = torch.full((b.query.shape[0], H * 64), 7.0)
-    plan = build_tree_plan(b.block_tables, b.seq_lens, b.qsl, masks, BS)
-    b.tree_attention(masks, out=flat, plan=plan)
+    b.tree_attention(masks, out=flat, plan=plan_for(b, masks, native))
     assert torch.equal(flat.view_as(out), out)
-    one = b.tree_attention({3: masks[3]})
+    one = b.tree_attention({3: masks[3]}, native=native)
     torch.testing.assert_close(one[b.rows(3)], out[b.rows(3)], atol=1e-6, rtol=1e-6)
     assert (one[b.rows(0)] == 7.0).all()
 
 
+@pytest.mark.parametrize("bs,H,Hkv,D,dtype", [
+    (16, 9, 3, 64, torch.float32), (16, 8, 1, 128, torch.bfloat16), (32, 4, 4, 128, torch.float32),
+    (128, 9, 3, 64, torch.bfloat16), (128, 32, 4, 64, torch.float32), (64, 6, 2, 96, torch.float32)])
+def test_c_kernel_fuzz(bs, H, Hkv, D, dtype):
+    """Random trees (1..64 nodes: chains, stars, random) and prefixes (0..300) in one batch with
+    untouched decode/prefill rows, for the block sizes, head sizes and GQA ratios vLLM's CPU backend
+    runs (bs 16 -> vec16): the C kernel against fp64 per-row attention."""
+    rnd = random.Random(bs * 1000 + H)
+    specs, trees = [], {}
+    for r in range(6):
+        if r % 3 == 2:
+            specs.append((rnd.randrange(0, 200), rnd.choice([1, 9])))    # decode / prefill: untouched
+            continue
+        n = rnd.choice([0, 1, 5, 15, 31, 64])
+        trees[r] = random_tree(rnd, n, rnd.choice(["chain", "star", "random"])) if n else DraftTree([], [])
+        specs.append((rnd.randrange(0, 300), n + 1))
+    b = Batch(specs, H=H, Hkv=Hkv, D=D, dtype=dtype, seed=bs, bs=bs)
+    masks = {r: t.ancestor_mask() for r, t in trees.items()}
+    out = b.tree_attention(masks, native=True)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for r in range(len(specs)):
+        if r in trees:
+            got = out[b.rows(r)].double()
+            torch.testing.assert_close(got, _path_causal(b, r, trees[r]), atol=tol, rtol=tol)
+        else:
+            assert (out[b.rows(r)] == 7.0).all()
+
+
 @pytest.mark.parametrize("layout", ["plain", "probed"])
-def test_other_layouts(layout, monkeypatch):
+def test_other_layouts(layout, monkeypatch, native):
     """The unpacked layout and the probed fallback (used for ISAs without a hand-written view,
-    e.g. neon/vsx; emulated here by serving the vec probe under another name); both go through
-    the SDPA branch."""
+    e.g. neon/vsx; emulated here by serving the vec probe under another name); the torch path
+    takes its SDPA branch, the C kernel its offset tables (as for amx)."""
     isa = "plain"
     if layout == "probed":
         real = ta._probe_layout
@@ -228,19 +279,19 @@ def test_other_layouts(layout, monkeypatch):
     masks = {r: t.ancestor_mask() for r, t in trees.items()}
     out = torch.full_like(b.query, 7.0)
     cpu_tree_attention(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.qsl, masks,
-                       b.scale, out, isa="fake-isa" if layout == "probed" else "plain")
+                       b.scale, out, isa="fake-isa" if layout == "probed" else "plain", native=native)
     for r in trees:
         torch.testing.assert_close(out[b.rows(r)], b.reference(r, masks[r]), atol=1e-5, rtol=1e-5)
     assert (out[b.rows(1)] == 7.0).all()
 
 
-def test_gqa_bf16_tolerance():
+def test_gqa_bf16_tolerance(native):
     """SmolLM2 shapes (9 heads, 3 kv heads, head 64), bf16 cache and queries."""
     rnd = random.Random(1)
     trees = {0: random_tree(rnd, 15), 1: random_tree(rnd, 12)}
     b = Batch([(300, 16), (45, 13)], H=9, Hkv=3, D=64, dtype=torch.bfloat16)
     masks = {r: t.ancestor_mask() for r, t in trees.items()}
-    out = b.tree_attention(masks)
+    out = b.tree_attention(masks, native=native)
     assert out.dtype == torch.bfloat16
     for r in trees:
         ref = reference_tree_attention(b.query[b.rows(r)].float(), b.k[r][:b.prefix[r]].float(),
@@ -249,13 +300,13 @@ def test_gqa_bf16_tolerance():
         torch.testing.assert_close(out[b.rows(r)].float(), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_plan_memo_follows_block_table():
-    """Without an explicit plan the step's plan is memoized; a changed block table rebuilds it."""
+def test_plan_memo_follows_block_table(native):
+    """Without an explicit plan the step's plan is memoized; a changed block table is followed."""
     rnd = random.Random(3)
     tree = random_tree(rnd, 7)
     b = Batch([(40, 8)], H=4, Hkv=2, D=64)
     masks = {0: tree.ancestor_mask()}
-    first = b.tree_attention(masks)
+    first = b.tree_attention(masks, native=native)
     # move the request's first block elsewhere: same metadata, same masks dict, new block table
     old = int(b.block_tables[0, 0])
     new = int(b.key_cache.shape[0]) - 1
@@ -263,14 +314,14 @@ def test_plan_memo_follows_block_table():
     b.kv_cache[new] = b.kv_cache[old]
     b.kv_cache[old].normal_()
     b.block_tables[0, 0] = new
-    second = b.tree_attention(masks)
+    second = b.tree_attention(masks, native=native)
     torch.testing.assert_close(second, first, atol=1e-6, rtol=1e-6)
 
 
-def test_mask_shape_must_match_rows():
+def test_mask_shape_must_match_rows(native):
     b = Batch([(10, 4)], H=4, Hkv=2, D=64)
     with pytest.raises(ValueError, match="tree mask"):
-        b.tree_attention({0: torch.ones(5, 5, dtype=torch.bool)})
+        b.tree_attention({0: torch.ones(5, 5, dtype=torch.bool)}, native=native)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,13 +359,19 @@ def test_timing_vs_vllm_kernel(dtype, capsys):
             query_start_loc=b.qsl, seq_lens=b.seq_lens, scale=b.scale, causal=True, alibi_slopes=None,
             sliding_window=-1, block_table=b.block_tables, softcap=0.0, scheduler_metadata=md, s_aux=None)
 
+    native_plan = build_native_plan(b.seq_lens, b.qsl, masks)
+
+    def c_kernel():
+        cpu_tree_attention(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.qsl, masks,
+                           b.scale, out, isa=b.isa, plan=native_plan)
+
     def tree_with_plan():
         cpu_tree_attention(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.qsl, masks,
                            b.scale, out, isa=b.isa, plan=plan)
 
     def tree_memo():
         cpu_tree_attention(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.qsl, masks,
-                           b.scale, out, isa=b.isa)
+                           b.scale, out, isa=b.isa, native=False)
 
     def tree_cold():
         ta._memo.clear()
@@ -323,8 +380,9 @@ def test_timing_vs_vllm_kernel(dtype, capsys):
     def gather():
         ta._gather_blocks(b.key_cache, b.value_cache, plan.blocks, b.isa)
 
-    res = {name: _time(fn) for name, fn in [("vllm causal kernel", vllm), ("tree, explicit plan", tree_with_plan),
-                                             ("tree, memoized plan", tree_memo), ("tree, plan rebuilt", tree_cold),
+    res = {name: _time(fn) for name, fn in [("vllm causal kernel", vllm), ("tree, C kernel", c_kernel),
+                                             ("tree, torch path", tree_with_plan),
+                                             ("torch, memoized plan", tree_memo), ("torch, plan rebuilt", tree_cold),
                                              ("  of which K/V gather", gather)]}
     with capsys.disabled():
         print(f"\n[tree attention timing] {dtype} isa={b.isa} threads={torch.get_num_threads()} "

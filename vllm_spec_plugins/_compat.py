@@ -265,7 +265,7 @@ def _patch_runner() -> None:
             drafter.record_target_argmax(logits, spec_decode_metadata)
         out = orig_sample(self, logits, spec_decode_metadata)
         if tree_step.current() is not None:
-            tree_step.accept(self, logits, spec_decode_metadata, out)
+            tree_step.accept(self, logits, spec_decode_metadata, out, getattr(drafter, "_argmax", None))
         return out
 
     @functools.wraps(orig_propose)

@@ -139,7 +139,8 @@ class PluginProposer:
 
     # Called from the `_sample` wrapper, before sampling: one argmax per verified position.
     def record_target_argmax(self, logits, spec_decode_metadata) -> None:
-        ids = logits.argmax(dim=-1).tolist()
+        from vllm_spec_plugins.scorers import row_argmax
+        ids = row_argmax(logits).tolist()
         if spec_decode_metadata is None:
             self._argmax = [[t] for t in ids]
             return

@@ -5,10 +5,15 @@ root (row 0) and the n nodes (row 1 + i), whose K/V vLLM has already written int
 slots of positions prefix_len .. prefix_len + n, so the request's seq_len is prefix_len + 1 + n.
 Row t sees every prefix key plus the new keys j with tree_mask[t, j] (`DraftTree.ancestor_mask`).
 
-CPU (`cpu_tree_attention`): reads K/V back from vLLM's CPU cache and runs all tree requests of the
-step as one padded batch (fp32 GEMMs + softmax for the vec layouts, like vLLM's vec kernel; one
-torch SDPA call otherwise, e.g. bf16/AMX); the step's indices and masks are built once
-(`build_tree_plan`, or memoized) and reused by every layer. The CPU cache is *not* the plain
+CPU (`cpu_tree_attention`): one call of a small C kernel per layer (csrc/tree_attention.c, built
+once per machine by `native.py`): it reads K/V straight from vLLM's packed cache and runs an online
+softmax in fp32 over the key blocks of each tree request, like vLLM's vec kernel. Without a C
+compiler (or with VLLM_SPEC_PLUGINS_NATIVE=0) a torch path computes the same: it reads K/V back from
+the cache and runs all tree requests as one padded batch (fp32 GEMMs + softmax for the vec layouts;
+one SDPA call otherwise, e.g. bf16/AMX). Either way the step's host arrays, indices and masks are
+built once (`build_native_plan` / `build_tree_plan`, or memoized) and reused by every layer.
+
+The CPU cache is *not* the plain
 [num_blocks, num_kv_heads, block_size, head_size] layout its shape suggests:
 `ops.cpu_attn_reshape_and_cache` packs every (block, kv head) region for the kernel's ISA
   * "vec" / "vec16" (fp32, or bf16/fp16 without AMX): K as [head_size, block_size] (column
@@ -39,7 +44,8 @@ import torch.nn.functional as F
 
 __all__ = [
     "attn_isa", "gather_kv", "read_kv_slots", "copy_kv_slots", "TreeAttentionPlan",
-    "build_tree_plan", "cpu_tree_attention", "triton_tree_attention",
+    "build_tree_plan", "NativeTreePlan", "build_native_plan", "native_supported", "cpu_tree_attention",
+    "triton_tree_attention",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -318,6 +324,95 @@ def build_tree_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor | Sequenc
                              allowed, q_rows, dst_rows, src_rows)
 
 
+@dataclass(eq=False)
+class NativeTreePlan:
+    """Host arrays of one step for the C kernel, built once and reused by every layer:
+    tree request indices, their q_start / q_len / seq_len (int32), the masks concatenated
+    row-major (uint8) and each mask's offset (int64)."""
+    arrays: tuple[torch.Tensor, ...]
+
+    @property
+    def nreq(self) -> int:
+        return self.arrays[0].numel()
+
+
+def build_native_plan(seq_lens: torch.Tensor | Sequence[int], query_start_loc: torch.Tensor | Sequence[int],
+                      tree_masks: Mapping[int, torch.Tensor]) -> NativeTreePlan | None:
+    """Plan for the C kernel (None when there are no tree requests); checks shapes as
+    `build_tree_plan` does."""
+    if not tree_masks:
+        return None
+    qsl, sl = _host_list(query_start_loc), _host_list(seq_lens)
+    reqs = sorted(int(r) for r in tree_masks)
+    q_start, q_len, seq_len, masks, offs, off = [], [], [], [], [], 0
+    for r in reqs:
+        m = tree_masks[r]
+        T = qsl[r + 1] - qsl[r]
+        if m.dim() != 2 or m.shape[0] != m.shape[1] or m.shape[0] != T:
+            raise ValueError(f"request {r}: tree mask {tuple(m.shape)} but {T} query rows")
+        if sl[r] < T:
+            raise ValueError(f"request {r}: seq_len {sl[r]} < {T} query rows")
+        q_start.append(qsl[r])
+        q_len.append(T)
+        seq_len.append(sl[r])
+        masks.append(m.to(device="cpu", dtype=torch.uint8).reshape(-1))
+        offs.append(off)
+        off += T * T
+    i32 = functools.partial(torch.tensor, dtype=torch.int32)
+    return NativeTreePlan((i32(reqs), i32(q_start), i32(q_len), i32(seq_len), torch.cat(masks),
+                           torch.tensor(offs, dtype=torch.int64)))
+
+
+_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def native_supported(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether the C kernel can run this layer (and is built)."""
+    from vllm_spec_plugins import native
+    return (query.device.type == "cpu" and query.dtype in _NATIVE_DTYPES and key_cache.dtype == query.dtype
+            and query.shape[-1] % 16 == 0 and native.library() is not None)
+
+
+@functools.lru_cache(maxsize=None)
+def _native_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int):
+    """(layout code, k_off, v_off) for the C kernel: 0 for vec/vec16 (read directly), else 1 with
+    int32 offset tables of element (slot, dim) inside a (block, kv head) region."""
+    if isa in ("vec", "vec16"):
+        return 0, None, None
+    if isa == "plain":
+        k_off = v_off = torch.arange(block_size * head_size).view(block_size, head_size)
+    else:
+        k_off, v_off = _probe_layout(isa, dtype, block_size, head_size)
+    return 1, k_off.to(torch.int32).contiguous(), v_off.to(torch.int32).contiguous()
+
+
+def _native_tree_attention(plan: NativeTreePlan, query, key_cache, value_cache, block_tables, scale, out, isa):
+    from vllm_spec_plugins import native
+    N, H, D = query.shape
+    _, Hkv, bs, _ = key_cache.shape
+    o3 = out.view(out.shape[0], H, D)
+    if query.stride(2) != 1 or o3.stride(2) != 1 or out.dtype != query.dtype:
+        raise ValueError("the C tree-attention kernel needs query/out with contiguous head_size and "
+                         "one dtype")
+    _region_view(key_cache, (bs * D,))                        # checks the region layout
+    if value_cache.stride()[:2] != key_cache.stride()[:2]:
+        raise ValueError("key and value caches must share strides")
+    layout, k_off, v_off = _native_layout(isa, key_cache.dtype, bs, D)
+    bt = block_tables
+    if bt.dtype != torch.int32 or bt.stride(1) != 1:
+        bt = bt.to(torch.int32).contiguous()
+    rc = native.library()(
+        query.data_ptr(), query.stride(0), query.stride(1),
+        key_cache.data_ptr(), value_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1),
+        o3.data_ptr(), o3.stride(0), o3.stride(1), bt.data_ptr(), bt.stride(0),
+        plan.nreq, *(a.data_ptr() for a in plan.arrays), H, Hkv, D, bs, scale,
+        _NATIVE_DTYPES[query.dtype], layout,
+        k_off.data_ptr() if k_off is not None else None, v_off.data_ptr() if v_off is not None else None)
+    if rc != 0:
+        raise RuntimeError(f"C tree-attention kernel refused its inputs (rc={rc})")
+    return out
+
+
 # One-entry memo so callers that pass no plan still build it once per step, not once per layer.
 # The tree_masks dict is held (so its id cannot be reused); host metadata, the masks' identity
 # (data_ptr) and the block table rows are compared on every hit.
@@ -329,9 +424,16 @@ def _masks_key(tree_masks: Mapping[int, torch.Tensor]) -> tuple:
     return tuple((r, tuple(m.shape), m.data_ptr()) for r, m in tree_masks.items())
 
 
-def _memo_plan(block_tables, seq_lens, query_start_loc, tree_masks, block_size, device):
+def _memo_plan(block_tables, seq_lens, query_start_loc, tree_masks, block_size, device, native=False):
     sl, qsl = _host_list(seq_lens), _host_list(query_start_loc)
     key = (id(tree_masks), tuple(sl), tuple(qsl), block_size, str(device), _masks_key(tree_masks))
+    if native:
+        hit = _memo.get("native")
+        if hit is not None and hit[0] == key and hit[1] is tree_masks:
+            return hit[2]
+        plan = build_native_plan(sl, qsl, tree_masks)
+        _memo["native"] = (key, tree_masks, plan)
+        return plan
     hit = _memo.get("plan")
     if hit is not None and hit[0] == key and hit[1] is tree_masks:
         plan, bt_rows = hit[2], hit[3]
@@ -352,7 +454,8 @@ def _memo_plan(block_tables, seq_lens, query_start_loc, tree_masks, block_size, 
 def cpu_tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                        tree_masks: Mapping[int, torch.Tensor], scale: float, out: torch.Tensor, *,
-                       isa: str | None = None, plan: TreeAttentionPlan | None = None) -> torch.Tensor:
+                       isa: str | None = None, plan: TreeAttentionPlan | NativeTreePlan | None = None,
+                       native: bool | None = None) -> torch.Tensor:
     """Masked attention of the tree requests' rows, written into `out` (other rows untouched).
 
     query: [num_tokens, H, D]; key_cache/value_cache: [num_blocks, Hkv, block_size, D] CPU cache
@@ -360,9 +463,12 @@ def cpu_tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache
     block_tables [num_reqs, max_blocks]; seq_lens [num_reqs] (keys incl. this step's rows);
     query_start_loc [num_reqs + 1]; tree_masks: request index -> [1+n, 1+n] bool;
     out: [num_tokens, H, D] or [num_tokens, H * D]. GQA: head h uses kv head h // (H // Hkv).
-    plan: `build_tree_plan(...)` of this step (else built and memoized here).
+    plan: `build_native_plan(...)` or `build_tree_plan(...)` of this step (else built and memoized).
+    native: True forces the C kernel, False the torch path; None picks by the plan, else the
+    kernel wherever `native_supported`.
 
-    All tree requests run as one padded batch. vec/vec16 caches (K stored transposed): two
+    C kernel: per request and kv head, an online softmax over the cache blocks (module doc).
+    Torch path: all tree requests run as one padded batch. vec/vec16 caches (K stored transposed): two
     GEMMs + softmax in fp32, like vLLM's vec kernel. Other layouts (amx): one SDPA call in the
     query dtype (fp32 accumulation inside), like vLLM's AMX kernel.
     """
@@ -373,8 +479,18 @@ def cpu_tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache
     if Dk != D or H % Hkv:
         raise ValueError(f"query [*, {H}, {D}] does not fit KV cache [*, {Hkv}, *, {Dk}]")
     isa = _resolve_isa(isa, key_cache)
+    if native is None:
+        native = isinstance(plan, NativeTreePlan) or (plan is None and native_supported(query, key_cache))
+    if native:
+        if plan is None:
+            plan = _memo_plan(block_tables, seq_lens, query_start_loc, tree_masks, bs, query.device, native=True)
+        elif not isinstance(plan, NativeTreePlan):
+            raise ValueError("native=True needs a NativeTreePlan (build_native_plan)")
+        return _native_tree_attention(plan, query, key_cache, value_cache, block_tables, scale, out, isa)
     if plan is None:
         plan = _memo_plan(block_tables, seq_lens, query_start_loc, tree_masks, bs, query.device)
+    elif not isinstance(plan, TreeAttentionPlan):
+        raise ValueError("the torch path needs a TreeAttentionPlan (build_tree_plan)")
     elif plan.block_size != bs:
         raise ValueError(f"plan built for block_size {plan.block_size}, cache has {bs}")
     g, R, Tm, Sm = H // Hkv, len(plan.reqs), plan.t_max, plan.s_max

@@ -95,7 +95,7 @@ def begin(runner, scheduler_output, pending: dict[str, DraftTree]) -> None:
 
 def attend(impl, layer, query, kv_cache, attn_metadata, output) -> None:
     """Recompute the tree rows of one attention layer with the tree mask (CPU paged layout)."""
-    from vllm_spec_plugins.tree_attention import build_tree_plan, cpu_tree_attention
+    from vllm_spec_plugins.tree_attention import build_native_plan, build_tree_plan, cpu_tree_attention, native_supported
     step = _current
     if not step.masks:            # only chains this step: vLLM's causal kernel was exact
         return
@@ -106,8 +106,11 @@ def attend(impl, layer, query, kv_cache, attn_metadata, output) -> None:
     key_cache, value_cache = kv_cache.view(nb, h, bs * 2, d2 // 2).chunk(2, dim=2)  # as vLLM does
     n = attn_metadata.num_actual_tokens
     if step.plan is None:      # same metadata for every layer of the step
-        step.plan = build_tree_plan(attn_metadata.block_table, attn_metadata.seq_lens,
-                                    attn_metadata.query_start_loc, step.masks, bs, query.device)
+        if native_supported(query, key_cache):
+            step.plan = build_native_plan(attn_metadata.seq_lens, attn_metadata.query_start_loc, step.masks)
+        else:
+            step.plan = build_tree_plan(attn_metadata.block_table, attn_metadata.seq_lens,
+                                        attn_metadata.query_start_loc, step.masks, bs, query.device)
     cpu_tree_attention(query[:n], key_cache, value_cache, attn_metadata.block_table,
                        attn_metadata.seq_lens, attn_metadata.query_start_loc, step.masks,
                        impl.scale, output[:n], isa=layer.isa, plan=step.plan)
@@ -116,8 +119,10 @@ def attend(impl, layer, query, kv_cache, attn_metadata, output) -> None:
         step.slot_mapping = attn_metadata.slot_mapping
 
 
-def accept(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output) -> None:
-    """Tree acceptance for tree rows, written into the sampler output; then KV compaction."""
+def accept(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output,
+           argmax: list[list[int]] | None = None) -> None:
+    """Tree acceptance for tree rows, written into the sampler output; then KV compaction.
+    argmax: the target argmax per request row, when the proposer hook already took it."""
     step = _current
     if step is None or spec_decode_metadata is None:
         return
@@ -133,7 +138,7 @@ def accept(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output) -
         rows = logits[starts[i]: starts[i] + 1 + len(tree)]
         temp = float(batch.temperature_cpu[i])
         if temp < _SAMPLING_EPS:
-            res = greedy_accept(tree, rows)
+            res = greedy_accept(tree, argmax[i] if argmax is not None else rows)
         else:
             probs = torch.softmax(rows.float() / temp, dim=-1)
             res = sampled_accept(tree, probs, batch.generators.get(i))

@@ -1,0 +1,91 @@
+"""The C tree-attention kernel (csrc/tree_attention.c), built once per machine and loaded with ctypes.
+
+`library()` compiles it with the system C compiler (`$CC`, else cc/gcc; -O3 -march=native) into
+the plugin's cache folder, keyed by source, flags, compiler and CPU flags, so each worker process
+of a machine loads the same file and a shared home folder never hands one CPU's build to another.
+It returns None when no compiler is found, the build fails (one warning), or
+VLLM_SPEC_PLUGINS_NATIVE=0: `tree_attention.cpu_tree_attention` then runs its torch path, which
+computes the same thing more slowly.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger("vllm_spec_plugins")
+
+SRC = Path(__file__).parent / "csrc" / "tree_attention.c"
+FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
+ENV = "VLLM_SPEC_PLUGINS_NATIVE"
+
+_ARGTYPES = (
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]                          # query, strides
+    + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]       # key/value cache, strides
+    + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]                        # out, strides
+    + [ctypes.c_void_p, ctypes.c_int64]                                        # block table, stride
+    + [ctypes.c_int] + [ctypes.c_void_p] * 6                                   # nreq, req .. mask_off
+    + [ctypes.c_int] * 4 + [ctypes.c_float] + [ctypes.c_int] * 2               # H, Hkv, D, bs, scale, dtype, layout
+    + [ctypes.c_void_p, ctypes.c_void_p])                                      # k_off, v_off
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        import platform
+        return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(out_dir: Path | None = None) -> Path:
+    """Compile the kernel (if not built yet) and return the shared library's path."""
+    from vllm_spec_plugins.models import cache_root
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (set CC, or install gcc)")
+    src = SRC.read_bytes()
+    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), cc.encode(), _cpu_flags().encode()]))
+    out_dir = Path(out_dir) if out_dir else cache_root() / "native"
+    lib = out_dir / f"tree_attention-{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        p = subprocess.run([cc, *FLAGS, "-o", tmp, str(SRC), "-lm"], capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {p.stderr.strip()[-2000:]}")
+        os.replace(tmp, lib)            # atomic: concurrent workers each build, one file wins
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def library():
+    """The loaded kernel, or None (disabled, no compiler, or the build failed: torch path)."""
+    if os.environ.get(ENV, "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError) as e:
+        logger.warning("vllm-spec-plugins: C tree-attention kernel unavailable (%s); using the "
+                       "slower torch path", e)
+        return None
+    fn = lib.tree_attention
+    fn.argtypes = _ARGTYPES
+    fn.restype = ctypes.c_int
+    return fn

@@ -8,9 +8,12 @@ request id, never by row: rows move between steps.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -37,6 +40,10 @@ class RequestStep:
     tree_ok: bool = True
     # The request's `SamplingParams.extra_args` (traffic tags, e.g. a category), if any.
     tags: dict | None = None
+    # The target's final hidden state at each verified position (one row per `target_argmax`
+    # entry: the output head over row i gives the target's logits there), when the proposer sets
+    # `needs_hidden_states` and the engine has them. A view valid during `propose` only.
+    hidden_states: "torch.Tensor | None" = None
 
     @property
     def num_accepted(self) -> int:
@@ -57,6 +64,8 @@ class Proposer:
 
     #: set True if the proposer wants `RequestStep.target_argmax` (costs one argmax per step)
     needs_target_argmax: bool = False
+    #: set True if the proposer wants `RequestStep.hidden_states` (views, no copy)
+    needs_hidden_states: bool = False
 
     def __init__(self, num_speculative_tokens: int):
         if num_speculative_tokens < 1:

@@ -288,6 +288,40 @@ class AdversarialProposer(OracleProposer):
         return [(x + 1) % self.vocab_size for x in true] + [self.fallback] * (k - len(true))
 
 
+class HiddenStateProbe(Proposer):
+    """Wraps a test proposer and checks every `RequestStep.hidden_states` it is handed: one row per
+    verified position, and the output head over row i must rank the target's argmax there first
+    (up to a float tie of 1e-4 relative). Counts in `stats`; drafting is the wrapped proposer's."""
+
+    needs_target_argmax = True
+    needs_hidden_states = True
+
+    def __init__(self, inner: Proposer, head):
+        super().__init__(inner.k)
+        self.inner, self.head = inner, head.float()
+        self.states = inner.states
+        self.stats = {"hidden_rows": 0, "hidden_mismatch": 0, "hidden_missing": 0}
+
+    def release(self, req_id: str) -> None:
+        self.inner.release(req_id)
+
+    def propose(self, ctx: StepContext) -> list:
+        import torch
+        for req in ctx.requests:
+            if not req.target_argmax:
+                continue
+            h = req.hidden_states
+            if h is None or h.shape[0] != len(req.target_argmax):
+                self.stats["hidden_missing"] += 1
+                continue
+            logits = h.float() @ self.head.T
+            top = logits.max(-1).values
+            at = logits.gather(1, torch.tensor(req.target_argmax)[:, None])[:, 0]
+            self.stats["hidden_rows"] += h.shape[0]
+            self.stats["hidden_mismatch"] += int((top - at > 1e-4 * top.abs().clamp(min=1.0)).sum())
+        return self.inner.propose(ctx)
+
+
 def load_references(path: str) -> dict[tuple, list[int]]:
     """Reference file for the engine's test methods: JSON [[prompt_ids, output_ids], ...]."""
     import json

@@ -71,6 +71,10 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=1,
                    help="run the whole method list this many times, interleaved (A B C A B C ...); "
                         "tokens/s is the median over repeats (tau does not change)")
+    p.add_argument("--step-cost", type=int, default=0, metavar="K",
+                   help="also run chainK_rejected / treeK_rejected (K drafts / a K-node tree of depth 4 that "
+                        "are never accepted: every step verifies K tokens and emits 1) and report the cost "
+                        "of a tree verification step against a chain step of the same size")
     p.add_argument("--no-plain-rerun", action="store_true",
                    help="measure plain once (default: first and last, tokens/s averaged: the machine drifts)")
     return p.parse_args(argv)
@@ -89,6 +93,11 @@ def method_configs(args, model: str) -> dict:
             raise SystemExit(f"unknown method {name!r}: give --method-config {name}=JSON "
                              f"(known: {', '.join(configs)})")
         out[name] = configs[name](model) if callable(configs[name]) else configs[name]
+    if args.step_cost:
+        k = args.step_cost
+        out[f"chain{k}_rejected"] = {"method": "adversarial", "num_speculative_tokens": k}
+        out[f"tree{k}_rejected"] = {"method": "adversarial", "num_speculative_tokens": k, "tree_nodes": k,
+                                    "tree_depth": min(4, k)}
     if "plain" not in out:
         out = {"plain": None, **out}
     for name in args.sweep:
@@ -140,6 +149,32 @@ def cascade_levels(g: dict) -> dict | None:
         "target": {"time_share": max(0.0, 1.0 - (st["level0_s"] + st["drafter_s"]) / sec)},
         "drafts_per_step": st["drafter_tokens"] / st["steps"],
     }
+
+
+def step_cost(results, raw, k: int) -> dict:
+    """Per category: ms per step of the chain and the tree of k never-accepted drafts (each step
+    emits one token), and tree / chain, from the median tokens/s (per repeat too)."""
+    chain, tree = f"chain{k}_rejected", f"tree{k}_rejected"
+    out = {}
+    for cat in results[chain]:
+        c, t = results[chain][cat], results[tree][cat]
+        row = {"chain_ms": 1000 / c["tokens_per_s"], "tree_ms": 1000 / t["tokens_per_s"]}
+        if c["accepted"] or t["accepted"]:      # a random draft matched the target: steps emit > 1 token
+            row["warning"] = f"accepted drafts: chain {c['accepted']}, tree {t['accepted']}"
+        row["tree_over_chain"] = row["tree_ms"] / row["chain_ms"]
+        cr, tr = c.get("tokens_per_s_repeats", []), t.get("tokens_per_s_repeats", [])
+        if len(cr) > 1 and len(cr) == len(tr):
+            row["tree_over_chain_repeats"] = [a / b for a, b in zip(cr, tr)]
+        out[cat] = row
+    return out
+
+
+def print_step_cost(cost: dict, k: int) -> None:
+    print(f"\ncost of a verification step, {k} drafts never accepted (tree: {k} nodes, depth <= 4):")
+    print("| category | chain step (ms) | tree step (ms) | tree / chain | per repeat |\n|---|---|---|---|---|")
+    for cat, r in cost.items():
+        reps = " ".join(f"{x:.2f}" for x in r.get("tree_over_chain_repeats", [])) or "-"
+        print(f"| {cat} | {r['chain_ms']:.1f} | {r['tree_ms']:.1f} | {r['tree_over_chain']:.2f}x | {reps} |")
 
 
 def print_cascade(results, cats):
@@ -415,6 +450,7 @@ def main(argv=None):
             if name in results:
                 results[name][cat]["tokens_per_s_repeats"] = v
     bandit_report(results, raw, configs, args)
+    cost = step_cost(results, raw, args.step_cost) if args.step_cost else None
     plain_lp = None
     mismatch = any(not row.get("identical_to_plain", True) for rows in results.values() for row in rows.values())
     if greedy and mismatch:
@@ -428,12 +464,15 @@ def main(argv=None):
                        "python": sys.version.split()[0]},
            "outputs": {name: {c: g["texts"] for c, g in r["groups"].items()} for name, r in raw.items()},
            "bandit": {name: {"state": r["bandit_state"], "group_start_step": r.get("group_start_step")}
-                      for name, r in raw.items() if "bandit_state" in r}}
+                      for name, r in raw.items() if "bandit_state" in r},
+           "step_cost": cost}
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
     print_table(results, cats)
     print_bandit(results, cats)
     print_cascade(results, cats)
+    if cost:
+        print_step_cost(cost, args.step_cost)
     png = args.plot or os.path.splitext(args.json)[0] + ".png"
     plot(results, cats, png, f"batch {args.batch_size}, {args.dtype}, T={args.temperature}, "
                              f"{args.max_tokens} tokens")

@@ -119,3 +119,17 @@ def test_mixed_batch_greedy_rows_exact(method, default_model, heldout_prompts, p
     assert got["draft_tokens"] > 0
     for i in range(0, len(heldout_prompts), 2):
         assert got["outputs"][i] == plain["outputs"][i], f"greedy prompt {i} differs in a mixed batch"
+
+
+@pytest.mark.parametrize("tree_nodes", [0, 6])
+def test_proposer_gets_target_hidden_states(tree_nodes, default_model, heldout_prompts, plain, references):
+    """The proposer context carries the target's final hidden state at every verified position
+    (chains and trees, batch 4): the output head over each handed row picks the target's argmax."""
+    spec = {"method": "oracle", "num_speculative_tokens": 6, "references": references,
+            "tree_nodes": tree_nodes, "tree_depth": 3, "check_hidden_states": True}
+    got = run_isolated(_job(default_model, heldout_prompts[:4], spec, 4, report_plugin_stats=True))["groups"]["all"]
+    st = got["plugin_stats"]
+    assert got["outputs"] == plain["outputs"][:4]
+    assert st["hidden_missing"] == 0 and st["hidden_mismatch"] == 0, st
+    # every verify step hands k + 1 rows per request (oracle drafts never run out here)
+    assert st["hidden_rows"] >= got["draft_tokens"] + got["drafts"], (st, got["draft_tokens"])

@@ -560,3 +560,24 @@ def test_tree_tau_lcg_no_big_loss_and_pool_cap():
             nbytes.append(p.state_nbytes("r"))
     assert max(sizes) == cap and eng.tree_steps > 20
     assert max(nbytes) < 2 * min(nbytes[sizes.index(cap):]) + 64 * 1024
+
+
+def test_hidden_state_probe_catches_wrong_rows():
+    """The engine test's probe is not vacuous: rows that are not the target's hidden states count."""
+    import torch
+
+    from vllm_spec_plugins.proposers.base import RequestStep, StepContext
+    from vllm_spec_plugins.proposers.testing import AdversarialProposer, HiddenStateProbe
+    g = torch.Generator().manual_seed(0)
+    head = torch.randn(50, 8, generator=g)
+    h = torch.randn(3, 8, generator=g)
+    argmax = (h @ head.T).argmax(-1).tolist()
+    probe = HiddenStateProbe(AdversarialProposer(2, vocab_size=50), head)
+    step = lambda hs: StepContext([RequestStep("a", np.array([1, 2, 3]), [3], [7, 7], argmax, hidden_states=hs)],
+                                  num_speculative_tokens=2)
+    probe.propose(step(h))
+    assert probe.stats == {"hidden_rows": 3, "hidden_mismatch": 0, "hidden_missing": 0}
+    probe.propose(step(h.flip(0)))
+    assert probe.stats["hidden_mismatch"] > 0
+    probe.propose(step(None))
+    assert probe.stats["hidden_missing"] == 1

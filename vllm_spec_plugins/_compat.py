@@ -268,12 +268,17 @@ def _patch_runner() -> None:
             tree_step.accept(self, logits, spec_decode_metadata, out, getattr(drafter, "_argmax", None))
         return out
 
+    import inspect
+    propose_sig = inspect.signature(orig_propose)
+
     @functools.wraps(orig_propose)
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         drafter = getattr(self, "drafter", None)
         if not getattr(drafter, "is_vllm_spec_plugin", False):
             return orig_propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
-        return drafter.propose_for_runner(self, scheduler_output, sampled_token_ids)
+        a = propose_sig.bind(self, scheduler_output, sampled_token_ids, *args, **kwargs).arguments
+        return drafter.propose_for_runner(self, scheduler_output, sampled_token_ids,
+                                          a.get("sample_hidden_states"), a.get("spec_decode_metadata"))
 
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner._update_states = _update_states

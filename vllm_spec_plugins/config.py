@@ -79,12 +79,14 @@ METHODS: dict[str, dict[str, Key]] = {
         "references": Key(None, kind=str, help="JSON file: [[prompt_ids, output_ids], ...]"),
         "tree_nodes": Key(0, 0, 64, int, "0: chain drafts; else a random tree of this many nodes"),
         "tree_depth": Key(3, 1, 64, int, "depth of the true branch hidden in the tree"),
+        "check_hidden_states": Key(False, kind=bool, help="test: check the target hidden states handed to the proposer"),
     },
     "adversarial": {
         "num_speculative_tokens": Key(4, 1, 64, int, "draft chain length / tree node budget"),
         "references": Key("", kind=str, help="JSON file: [[prompt_ids, output_ids], ...]; empty: draft token vocab-1 (wrong unless the target emits it)"),
         "tree_nodes": Key(0, 0, 64, int, "0: chain drafts; else a random tree of this many nodes"),
         "tree_depth": Key(3, 1, 64, int, "depth of the true branch hidden in the tree"),
+        "check_hidden_states": Key(False, kind=bool, help="test: check the target hidden states handed to the proposer"),
     },
 }
 # vLLM SpeculativeConfig keys users may still set next to ours.
@@ -322,6 +324,6 @@ def translate(spec: dict, target_model_config=None) -> tuple[dict, dict]:
             vllm_spec[k] = spec[k]
     if target_model_config is not None:
         params["vocab_size"] = target_model_config.get_vocab_size()
-        if params["method"] in ("mamba", "cascade"):      # the drafter reads the target's embeddings / head
-            params["target"] = target_model_config.model
+        if params["method"] in ("mamba", "cascade") or params.get("check_hidden_states"):
+            params["target"] = target_model_config.model   # the drafter (or check) reads the target's head
     return vllm_spec, params

@@ -63,11 +63,15 @@ def build_proposer(params: dict, max_requests: int = 8) -> Proposer:
         from vllm_spec_plugins.proposers import testing
         refs = testing.load_references(p["references"]) if p["references"] else {}
         if p.get("tree_nodes"):
-            return testing.OracleTreeProposer(k, refs, p["tree_nodes"], p["tree_depth"], vocab or 2,
+            prop = testing.OracleTreeProposer(k, refs, p["tree_nodes"], p["tree_depth"], vocab or 2,
                                               adversarial=method == "adversarial")
-        if method == "oracle":
-            return testing.OracleProposer(k, references=refs)
-        return testing.AdversarialProposer(k, references=refs, vocab_size=vocab)
+        elif method == "oracle":
+            prop = testing.OracleProposer(k, references=refs)
+        else:
+            prop = testing.AdversarialProposer(k, references=refs, vocab_size=vocab)
+        if p.get("check_hidden_states"):
+            prop = testing.HiddenStateProbe(prop, target_embeddings(p["target"])[1])
+        return prop
     raise ValueError(f"unknown vllm-spec-plugins method {method!r}")
 
 
@@ -84,6 +88,18 @@ def tree_eligible(runner, i: int, rid: str) -> bool:
     if sp is None:
         return False
     return not (sp.structured_outputs or sp.min_p or sp.logit_bias or sp.prompt_logprobs or sp.min_tokens)
+
+
+def _request_rows(n_rows: int, spec_decode_metadata) -> list[tuple[int, int]]:
+    """Row range of each request in the step's logits (= sample_hidden_states): its verified
+    drafts + 1, or one row each without speculative metadata."""
+    if spec_decode_metadata is None:
+        return [(i, i + 1) for i in range(n_rows)]
+    out, pos = [], 0
+    for n in spec_decode_metadata.num_draft_tokens:
+        out.append((pos, pos + n + 1))
+        pos += n + 1
+    return out
 
 
 def _first_path(tree) -> list[int]:
@@ -141,21 +157,19 @@ class PluginProposer:
     def record_target_argmax(self, logits, spec_decode_metadata) -> None:
         from vllm_spec_plugins.scorers import row_argmax
         ids = row_argmax(logits).tolist()
-        if spec_decode_metadata is None:
-            self._argmax = [[t] for t in ids]
-            return
-        out, pos = [], 0
-        for n in spec_decode_metadata.num_draft_tokens:
-            out.append(ids[pos: pos + n + 1])
-            pos += n + 1
-        self._argmax = out
+        self._argmax = [ids[a:b] for a, b in _request_rows(len(ids), spec_decode_metadata)]
 
-    def propose_for_runner(self, runner, scheduler_output, sampled_token_ids) -> list[list[int]]:
+    def propose_for_runner(self, runner, scheduler_output, sampled_token_ids,
+                           sample_hidden_states=None, spec_decode_metadata=None) -> list[list[int]]:
         from vllm_spec_plugins import tree_step
         batch = runner.input_batch
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         argmax, self._argmax = self._argmax, None
         verified_trees = tree_step.end()
+        hidden = None
+        if self.impl.needs_hidden_states and sample_hidden_states is not None:
+            hidden = [sample_hidden_states[a:b] for a, b in
+                      _request_rows(sample_hidden_states.shape[0], spec_decode_metadata)]
         reqs = []
         for i, rid in enumerate(batch.req_ids):
             n = int(batch.num_tokens_no_spec[i])
@@ -165,7 +179,8 @@ class PluginProposer:
             sp = getattr(runner.requests.get(rid), "sampling_params", None)
             reqs.append(RequestStep(rid, batch.token_ids_cpu[i, :n], list(sampled_token_ids[i]),
                                     drafts, am, parents, accepted, tree_eligible(runner, i, rid),
-                                    getattr(sp, "extra_args", None)))
+                                    getattr(sp, "extra_args", None),
+                                    hidden[i] if hidden is not None and i < len(hidden) else None))
         finished = set(scheduler_output.finished_req_ids)
         preempted = set(scheduler_output.preempted_req_ids or ())
         for rid in finished | preempted:

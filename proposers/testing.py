@@ -288,6 +288,35 @@ class AdversarialProposer(OracleProposer):
         return [(x + 1) % self.vocab_size for x in true] + [self.fallback] * (k - len(true))
 
 
+class AlternatingStepTimer(Proposer):
+    """Bench helper: drafts with `chain` and `tree` on alternate steps (the whole batch alike) and
+    records the wall time of each verification step by the kind it verified (time from one
+    proposal to the next), in `stats["chain_step_s"]` / `stats["tree_step_s"]`. Both kinds run
+    in one engine under the same machine conditions, interleaved step by step."""
+
+    def __init__(self, chain: Proposer, tree: Proposer):
+        super().__init__(chain.k)
+        self.kinds = {"chain": chain, "tree": tree}
+        self.stats = {"chain_step_s": [], "tree_step_s": []}
+        self._last: tuple[float, str] | None = None    # (time of the last proposal, kind it drafted)
+        self._next = "chain"
+
+    def release(self, req_id: str) -> None:
+        for p in self.kinds.values():
+            p.release(req_id)
+
+    def propose(self, ctx: StepContext) -> list:
+        import time
+        now = time.perf_counter()
+        verified = [r for r in ctx.requests if r.drafts]
+        if self._last is not None and verified and len(verified) == len(ctx.requests):
+            self.stats[f"{self._last[1]}_step_s"].append(now - self._last[0])   # only pure verify steps
+        kind, self._next = self._next, "tree" if self._next == "chain" else "chain"
+        out = self.kinds[kind].propose(ctx)
+        self._last = (time.perf_counter(), kind) if any(len(d) for d in out) else None
+        return out
+
+
 class HiddenStateProbe(Proposer):
     """Wraps a test proposer and checks every `RequestStep.hidden_states` it is handed: one row per
     verified position, and the output head over row i must rank the target's argmax there first

@@ -98,6 +98,7 @@ def method_configs(args, model: str) -> dict:
         out[f"chain{k}_rejected"] = {"method": "adversarial", "num_speculative_tokens": k}
         out[f"tree{k}_rejected"] = {"method": "adversarial", "num_speculative_tokens": k, "tree_nodes": k,
                                     "tree_depth": min(4, k)}
+        out[f"alternating{k}_rejected"] = {**out[f"tree{k}_rejected"], "alternate": True}
     if "plain" not in out:
         out = {"plain": None, **out}
     for name in args.sweep:
@@ -130,6 +131,11 @@ def is_cascade(spec) -> bool:
     return isinstance(spec, dict) and spec.get("method") == "cascade"
 
 
+def wants_stats(spec) -> bool:
+    """Methods whose proposer counters the bench reads: cascade levels, alternating step timer."""
+    return is_cascade(spec) or (isinstance(spec, dict) and bool(spec.get("alternate")))
+
+
 def cascade_levels(g: dict) -> dict | None:
     """Per level of a cascade, from the proposer's counters over one category: how many tokens each
     level handed on, how many the next level kept, and its share of the wall time."""
@@ -153,8 +159,11 @@ def cascade_levels(g: dict) -> dict | None:
 
 def step_cost(results, raw, k: int) -> dict:
     """Per category: ms per step of the chain and the tree of k never-accepted drafts (each step
-    emits one token), and tree / chain, from the median tokens/s (per repeat too)."""
-    chain, tree = f"chain{k}_rejected", f"tree{k}_rejected"
+    emits one token), and tree / chain: from the two methods' median tokens/s (per repeat too),
+    and ("alternating") from one engine that alternates both kinds step by step, medians of the
+    step times of each kind (robust to this machine's drift)."""
+    import statistics
+    chain, tree, alt = f"chain{k}_rejected", f"tree{k}_rejected", f"alternating{k}_rejected"
     out = {}
     for cat in results[chain]:
         c, t = results[chain][cat], results[tree][cat]
@@ -165,16 +174,24 @@ def step_cost(results, raw, k: int) -> dict:
         cr, tr = c.get("tokens_per_s_repeats", []), t.get("tokens_per_s_repeats", [])
         if len(cr) > 1 and len(cr) == len(tr):
             row["tree_over_chain_repeats"] = [a / b for a, b in zip(cr, tr)]
+        st = raw.get(alt, {}).get("groups", {}).get(cat, {}).get("plugin_stats") or {}
+        if st.get("chain_step_s") and st.get("tree_step_s"):
+            a, b = statistics.median(st["chain_step_s"]), statistics.median(st["tree_step_s"])
+            row["alternating"] = {"chain_ms": 1000 * a, "tree_ms": 1000 * b, "tree_over_chain": b / a,
+                                  "steps": [len(st["chain_step_s"]), len(st["tree_step_s"])]}
         out[cat] = row
     return out
 
 
 def print_step_cost(cost: dict, k: int) -> None:
     print(f"\ncost of a verification step, {k} drafts never accepted (tree: {k} nodes, depth <= 4):")
-    print("| category | chain step (ms) | tree step (ms) | tree / chain | per repeat |\n|---|---|---|---|---|")
+    print("| category | chain step (ms) | tree step (ms) | tree / chain | per repeat | alternating in one engine: "
+          "chain / tree ms (median), tree / chain |\n|---|---|---|---|---|---|")
     for cat, r in cost.items():
         reps = " ".join(f"{x:.2f}" for x in r.get("tree_over_chain_repeats", [])) or "-"
-        print(f"| {cat} | {r['chain_ms']:.1f} | {r['tree_ms']:.1f} | {r['tree_over_chain']:.2f}x | {reps} |")
+        a = r.get("alternating")
+        alt = f"{a['chain_ms']:.1f} / {a['tree_ms']:.1f}, {a['tree_over_chain']:.2f}x" if a else "-"
+        print(f"| {cat} | {r['chain_ms']:.1f} | {r['tree_ms']:.1f} | {r['tree_over_chain']:.2f}x | {reps} | {alt} |")
 
 
 def print_cascade(results, cats):
@@ -420,7 +437,7 @@ def main(argv=None):
         bar.set_postfix_str(name)
         t0 = time.perf_counter()
         r = run_isolated({**base, "speculative_config": spec, "report_plugin_state": is_bandit(spec),
-                          "report_plugin_stats": is_cascade(spec)}, env=env)
+                          "report_plugin_stats": wants_stats(spec)}, env=env)
         r["wall_s"] = time.perf_counter() - t0
         raw.setdefault(name, r)     # the first repeat's outputs and counters
         for cat, g in r["groups"].items():

@@ -581,3 +581,28 @@ def test_hidden_state_probe_catches_wrong_rows():
     assert probe.stats["hidden_mismatch"] > 0
     probe.propose(step(None))
     assert probe.stats["hidden_missing"] == 1
+
+
+def test_alternating_step_timer():
+    """bench --step-cost's timer: chains and trees on alternate steps, each verify step's time filed
+    under the kind it verified; output stays exact (0 drafts accepted)."""
+    import time
+
+    from vllm_spec_plugins.proposers.testing import AlternatingStepTimer
+    f = fib(50)
+    ref = greedy(f, [4, 9], 60)
+    p = AlternatingStepTimer(AdversarialProposer(6, {(4, 9): ref}, vocab_size=50),
+                             OracleTreeProposer(6, {(4, 9): ref}, 6, 3, vocab_size=50, adversarial=True))
+    kinds = []
+    slow_tree = lambda t: (time.sleep(0.002) if kinds and kinds[-1] == "tree" else None) or f(t)
+    eng = TreeToyEngine(p, slow_tree, vocab_size=50)
+    orig = p.propose
+    p.propose = lambda ctx: kinds.append(p._next) or orig(ctx)
+    eng.add("r", [4, 9], 60)
+    while eng.reqs:
+        eng.step()
+    assert eng.done["r"].out == ref and sum(eng.done["r"].accepted) == 0
+    assert kinds[:4] == ["chain", "tree", "chain", "tree"]
+    c, t = p.stats["chain_step_s"], p.stats["tree_step_s"]
+    assert len(c) >= 25 and abs(len(c) - len(t)) <= 1
+    assert min(t) > 0.002 > max(c)        # the slow (tree) steps are filed as tree steps

@@ -87,6 +87,8 @@ METHODS: dict[str, dict[str, Key]] = {
         "tree_nodes": Key(0, 0, 64, int, "0: chain drafts; else a random tree of this many nodes"),
         "tree_depth": Key(3, 1, 64, int, "depth of the true branch hidden in the tree"),
         "check_hidden_states": Key(False, kind=bool, help="test: check the target hidden states handed to the proposer"),
+        "alternate": Key(False, kind=bool, help="bench: alternate a chain of num_speculative_tokens and a tree of "
+                         "tree_nodes every step, timing each kind of verification step"),
     },
 }
 # vLLM SpeculativeConfig keys users may still set next to ours.
@@ -184,6 +186,8 @@ def validate(spec: dict) -> dict:
         _check_bandit(out)
     if method in ("oracle", "adversarial") and out["tree_nodes"] and not out["tree_depth"] <= out["tree_nodes"] <= out["num_speculative_tokens"]:
         raise ValueError("speculative_config: need tree_depth <= tree_nodes <= num_speculative_tokens")
+    if out.get("alternate") and not out["tree_nodes"]:
+        raise ValueError("speculative_config.alternate needs tree_nodes (the tree it alternates with the chain)")
     if method == "mamba":
         _check_ssm_drafter(out["model"])
     if method == "cascade":

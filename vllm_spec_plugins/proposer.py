@@ -62,6 +62,10 @@ def build_proposer(params: dict, max_requests: int = 8) -> Proposer:
     if method in ("oracle", "adversarial"):
         from vllm_spec_plugins.proposers import testing
         refs = testing.load_references(p["references"]) if p["references"] else {}
+        if p.get("alternate"):
+            return testing.AlternatingStepTimer(
+                testing.AdversarialProposer(k, references=refs, vocab_size=vocab),
+                testing.OracleTreeProposer(k, refs, p["tree_nodes"], p["tree_depth"], vocab or 2, adversarial=True))
         if p.get("tree_nodes"):
             prop = testing.OracleTreeProposer(k, refs, p["tree_nodes"], p["tree_depth"], vocab or 2,
                                               adversarial=method == "adversarial")
@@ -226,7 +230,7 @@ def plugin_state_summary(worker) -> dict:
 def plugin_stats(worker) -> dict:
     """For `LLM.collective_rpc`: the proposer's cumulative counters (cascade: per level), or {}."""
     impl = getattr(getattr(worker.model_runner, "drafter", None), "impl", None)
-    return dict(getattr(impl, "stats", None) or {})
+    return {k: list(v) if isinstance(v, list) else v for k, v in (getattr(impl, "stats", None) or {}).items()}
 
 
 def plugin_steps(worker) -> int:

@@ -119,7 +119,8 @@ def run(job: dict) -> dict:
         }
         if job.get("report_plugin_stats"):      # the proposer's own counters over this group
             s1 = llm.collective_rpc(plugin_stats)[0]
-            result["groups"][name]["plugin_stats"] = {k: v - s0.get(k, 0) for k, v in s1.items()}
+            result["groups"][name]["plugin_stats"] = {      # counters: difference; lists: new entries
+                k: v[len(s0.get(k, ())):] if isinstance(v, list) else v - s0.get(k, 0) for k, v in s1.items()}
         if job.get("logprobs") is not None:
             result["groups"][name]["logprobs"] = [
                 [[{str(t): lp.logprob for t, lp in pos.items()} for pos in (c.logprobs or [])]

@@ -226,7 +226,7 @@ class BanditTreeProposer(LookaheadProposer):
         arms = {kk: self.table((kk, bucket)).choose(self.allowed(bucket)) for kk in keys}
         if self.sync is not None:
             arms = self.sync(arms)
-        k = min(self.k, ctx.num_speculative_tokens or self.k)
+        k = ctx.budget(self.k)
         out: list = []
         for req in ctx.requests:
             st = self.states.get(req.req_id)
@@ -236,11 +236,14 @@ class BanditTreeProposer(LookaheadProposer):
                 out.append([])
                 continue
             self.observe(st, req)
+            if not k:                    # the engine's budget says no drafts: no arm was pulled
+                out.append([])
+                continue
             kk = self.key_of(req)
             arm = arms[kk]
             self.pending.setdefault((kk, bucket), (arm, []))[1].append(req.req_id)
             shape = self.shapes[arm]
-            if not shape or not k:
+            if not shape:
                 out.append([])
                 continue
             subs: dict[int, frozenset] = {}

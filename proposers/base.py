@@ -56,7 +56,14 @@ class StepContext:
     requests: list[RequestStep]           # batch rows, in order
     finished_req_ids: set[str] = field(default_factory=set)   # finished or aborted
     preempted_req_ids: set[str] = field(default_factory=set)  # will be recomputed on resume
-    num_speculative_tokens: int = 0       # max drafts per request this step
+    # Max drafts per request this step: the engine's per-step budget (vLLM's dynamic
+    # speculative decoding schedule `num_speculative_tokens_per_batch_size`, 0 = no speculation
+    # this step); None = the proposer's own k.
+    num_speculative_tokens: int | None = None
+
+    def budget(self, k: int) -> int:
+        """Drafts a proposer with max `k` may return per request this step."""
+        return k if self.num_speculative_tokens is None else max(0, min(k, self.num_speculative_tokens))
 
 
 class Proposer:
@@ -91,7 +98,7 @@ class Proposer:
         """One draft per row: a list of token ids (a chain) or a `DraftTree`."""
         for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
             self.release(rid)
-        k = min(self.k, ctx.num_speculative_tokens or self.k)
+        k = ctx.budget(self.k)
         out: list[list[int]] = []
         for req in ctx.requests:
             state = self.states.get(req.req_id)

@@ -64,7 +64,7 @@ class CascadeProposer(MambaProposer):
     def propose(self, ctx: StepContext) -> list:
         for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
             self.release(rid)
-        k = min(self.k, ctx.num_speculative_tokens or self.k)
+        k = ctx.budget(self.k)
         out: list[list[int]] = [[] for _ in ctx.requests]
         t0 = time.perf_counter()
         rows, slots, snap, feed = [], [], [], []

@@ -323,7 +323,7 @@ class MambaProposer(Proposer):
     def propose(self, ctx: StepContext) -> list:
         for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
             self.release(rid)
-        k = min(self.k, ctx.num_speculative_tokens or self.k)
+        k = ctx.budget(self.k)
         rows, slots, snap, bonus = [], [], [], []
         for i, req in enumerate(ctx.requests):
             if not req.sampled or k == 0:

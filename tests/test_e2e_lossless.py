@@ -133,3 +133,21 @@ def test_proposer_gets_target_hidden_states(tree_nodes, default_model, heldout_p
     assert st["hidden_missing"] == 0 and st["hidden_mismatch"] == 0, st
     # every verify step hands k + 1 rows per request (oracle drafts never run out here)
     assert st["hidden_rows"] >= got["draft_tokens"] + got["drafts"], (st, got["draft_tokens"])
+
+
+@pytest.mark.parametrize("method", ["lookahead", "mamba"])
+def test_dynamic_schedule_backs_off(method, default_model, heldout_prompts, plain):
+    """vLLM's dynamic speculative decoding schedule reaches our proposers: with k = 4 only while a
+    request runs alone, three short requests and one long one draft nothing until the long one is
+    alone; output still equals plain vLLM."""
+    spec = {"method": method, "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 64, 0]]}
+    if method == "mamba":
+        spec["model"] = "vllm_spec_plugins:smollm2-135m-instruct-mamba"
+    short, n = 6, 4
+    per_request = [{"max_tokens": short}] * (n - 1) + [{"max_tokens": MAX_TOKENS}]
+    got = run_isolated(_job(default_model, heldout_prompts[:n], spec, n, per_request_params=per_request))["groups"]["all"]
+    for i in range(n):
+        want = plain["outputs"][i][0][:per_request[i]["max_tokens"]]
+        assert got["outputs"][i][0] == want, f"prompt {i} differs"
+    assert got["drafts"] > 0, "no drafts once the long request ran alone"
+    assert got["drafts"] <= MAX_TOKENS - short, "drafted while the batch held more than one request"

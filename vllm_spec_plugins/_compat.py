@@ -70,6 +70,7 @@ SYMBOLS: dict[str, dict[str, tuple[str, ...]]] = {
         "SchedulerOutput.finished_req_ids": (),
         "SchedulerOutput.preempted_req_ids": (),
         "SchedulerOutput.scheduled_spec_decode_tokens": (),
+        "SchedulerOutput.num_spec_tokens_to_schedule": (),
     },
 }
 

@@ -189,7 +189,8 @@ class PluginProposer:
         preempted = set(scheduler_output.preempted_req_ids or ())
         for rid in finished | preempted:
             self.trees.pop(rid, None)
-        ctx = StepContext(reqs, finished, preempted, self.impl.k)
+        # vLLM's per-step budget (its dynamic speculative decoding schedule, else k)
+        ctx = StepContext(reqs, finished, preempted, getattr(scheduler_output, "num_spec_tokens_to_schedule", None))
         out = []
         for req, d in zip(reqs, self.impl.propose(ctx)):
             room = max(self.max_model_len - len(req.token_ids) - 1, 0)   # never past max_model_len

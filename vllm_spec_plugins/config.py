@@ -37,6 +37,7 @@ METHODS: dict[str, dict[str, Key]] = {
         "prompt_lookup_max": Key(3, 1, 16, int, "prompt-lookup fallback: max match length"),
         "tree": Key(False, kind=bool, help="full form: verify pool candidates + Jacobi window as one tree"),
         "tree_nodes": Key(0, 0, 64, int, "tree node budget (0 = num_speculative_tokens)"),
+        "backoff": Key(False, kind=bool, help="learn per batch size whether speculating pays (two-arm bandit on measured tokens/s); off-steps draft nothing"),
     },
     "bandit_tree": {
         "num_speculative_tokens": Key(16, 1, 64, int, "draft tokens the scheduler reserves per request (>= node_budget)"),
@@ -61,6 +62,7 @@ METHODS: dict[str, dict[str, Key]] = {
         "num_speculative_tokens": Key(4, 1, 16, int, "draft chain length (k)"),
         "model": Key(None, kind=str, help="Mamba drafter folder made by `python -m vllm_spec_plugins.drafters "
                      "--drafter mamba`, or 'vllm_spec_plugins:smollm2-135m-instruct-mamba' (shipped)"),
+        "backoff": Key(False, kind=bool, help="learn per batch size whether speculating pays (two-arm bandit on measured tokens/s); off-steps draft nothing"),
     },
     "cascade": {
         "num_speculative_tokens": Key(8, 1, 16, int, "max drafts handed to the target per step"),
@@ -72,6 +74,7 @@ METHODS: dict[str, dict[str, Key]] = {
         "drafter_top_k": Key(0, 0, 64, int, "the drafter keeps an n-gram token it ranks in its top k (1: only its own greedy choice; 0: all)"),
         "prompt_lookup_min": Key(1, 1, 16, int, "n-gram level: min match length"),
         "prompt_lookup_max": Key(3, 1, 16, int, "n-gram level: max match length"),
+        "backoff": Key(False, kind=bool, help="learn per batch size whether speculating pays (two-arm bandit on measured tokens/s); off-steps draft nothing"),
     },
     # Test proposers: drafts from a reference file {prompt ids -> plain greedy output ids}.
     "oracle": {

@@ -33,6 +33,9 @@ def target_embeddings(target_dir: str):
 
 def build_proposer(params: dict, max_requests: int = 8) -> Proposer:
     p = dict(params)
+    if p.get("method") in ("lookahead", "mamba", "cascade") and p.pop("backoff", False):
+        from vllm_spec_plugins.proposers.backoff import Backoff
+        return Backoff(build_proposer(p, max_requests))
     method = p.pop("method")
     k = p.pop("num_speculative_tokens")
     vocab = p.pop("vocab_size", None)
@@ -223,6 +226,8 @@ def plugin_state_summary(worker) -> dict:
            "req_ids": sorted(impl.states)}
     if hasattr(impl, "inspect"):
         out["bandit"] = impl.inspect()
+    if hasattr(impl, "backoff_state"):
+        out["backoff"] = impl.backoff_state()
     if getattr(impl, "stats", None):
         out["stats"] = dict(impl.stats)
     return out

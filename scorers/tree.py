@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -207,17 +207,36 @@ class AcceptResult:
         return self.accepted_tokens + [self.bonus_token]
 
 
-def _greedy_walk(tree: DraftTree, argmax: list[int]) -> AcceptResult:
+def _walk(tree: DraftTree, target_token: Callable[[int], int]) -> AcceptResult:
+    """From the root, follow the child whose token is the target's token at the current row
+    (`target_token(row)`, called once per row visited, in order; first child on duplicates)."""
     tok, ch = tree.tokens, tree.children
     row, nodes = 0, []
     while True:
-        want = argmax[row]
-        nxt = next((c for c in ch[row] if tok[c] == want), None)  # first child on duplicates
+        want = target_token(row)
+        nxt = next((c for c in ch[row] if tok[c] == want), None)
         if nxt is None:
-            break
+            return AcceptResult([tok[i] for i in nodes], want, nodes)
         nodes.append(nxt)
         row = nxt + 1
-    return AcceptResult([tok[i] for i in nodes], argmax[row], nodes)
+
+
+def _greedy_walk(tree: DraftTree, argmax: list[int]) -> AcceptResult:
+    return _walk(tree, argmax.__getitem__)
+
+
+def coupled_accept(tree: DraftTree, sample: Callable[[int], int]) -> AcceptResult:
+    """Lossless acceptance of deterministic drafts (no `draft_probs`) by coupling with plain
+    sampling: `sample(row)` draws the target's token for tree row `row` exactly as decoding
+    without speculation would (the request's own random stream, one draw per call); it is called
+    once per emitted token, in order, and the walk goes on while a child of the current node
+    carries the drawn token. So the emitted tokens are the ones plain sampling emits with the same
+    random stream (a seeded request gives the same output with or without speculation, whatever
+    the tree), and a node is accepted with probability p(its token), as recursive rejection
+    sampling does for point-mass drafts. Greedy decoding is the case sample = argmax."""
+    if tree.draft_probs is not None:
+        raise ValueError("coupled_accept is for deterministic drafts; use sampled_accept with draft_probs")
+    return _walk(tree, sample)
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -78,3 +78,39 @@ def test_sampled_follows_target(method, tiny_model, plain, references, tiny_mamb
         b = [o[0][pos] for o in got["outputs"]]
         p = chi2_two_sample(a, b)
         assert p > 1e-3, f"{method}: token {pos} distribution differs from plain sampling (p={p:.2e})"
+
+
+SEEDED_SPECS = {
+    "lookahead": {"method": "lookahead", "num_speculative_tokens": 4},
+    "lookahead_tree": {"method": "lookahead", "num_speculative_tokens": 8, "tree": True},
+    "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 8, "exploration": 1.0},
+    "mamba": {"method": "mamba", "num_speculative_tokens": 4, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba",
+              "backoff": True},
+    "cascade": {"method": "cascade", "num_speculative_tokens": 6, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
+}
+
+
+def _seeded_job(model, prompts, spec=None):
+    per_request = [{"seed": 100 + i, "temperature": 0.8 if i % 3 else 0.0} for i in range(len(prompts))]
+    return {"model": model, "speculative_config": spec, "groups": {"all": prompts}, "max_tokens": 32,
+            "temperature": 0.8, "batch_size": 8, "dtype": "float32", "max_model_len": 2048,
+            "per_request_params": per_request, "llm_kwargs": {"enforce_eager": True}}
+
+
+@pytest.fixture(scope="module")
+def plain_seeded(default_model, heldout_prompts):
+    return run_isolated(_seeded_job(default_model, heldout_prompts))["groups"]["all"]
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=[pytest.mark.slow] if m in ("lookahead", "cascade") else [])
+                                    for m in SEEDED_SPECS])
+def test_seeded_sampling_equals_plain(method, default_model, heldout_prompts, plain_seeded):
+    """Seeded sampled requests (T=0.8, each its own seed; greedy ones in the same batch) give plain
+    vLLM's own output token for token: each emitted token is drawn with vLLM's sampler and the
+    request's generator exactly as without speculation, and a draft is accepted iff it equals
+    that draw (scorers.coupled_accept). So seeded output repeats whatever the drafts were,
+    including bandit shapes and back-off steps chosen from measured time."""
+    got = run_isolated(_seeded_job(default_model, heldout_prompts, SEEDED_SPECS[method]))["groups"]["all"]
+    assert got["drafts"] > 0 and got["accepted"] > 0
+    for i, (a, b) in enumerate(zip(got["outputs"], plain_seeded["outputs"])):
+        assert a == b, f"{method}: request {i} (seed {100 + i}) differs from plain vLLM"

@@ -490,3 +490,43 @@ def test_swor_drafts_need_the_flag():
 
     s = simulate(parents, "swor", 5_000, 7, accept=iid_rule)
     assert chi2_pvalue(s, 1) < 1e-6
+
+
+def test_coupled_accept_emits_what_plain_sampling_emits():
+    """coupled_accept with `sample` = the target's sampler on one random stream: over random trees
+    and random targets, the emitted tokens are exactly plain sampling's with that stream (one draw
+    per emitted token), whatever the tree; and nodes are accepted (chi-square) with p(token)."""
+    from vllm_spec_plugins.scorers import coupled_accept
+    rng = random.Random(0)
+    V, trials = 6, 4000
+    for trial in range(trials):
+        n = rng.randrange(0, 9)
+        tree = DraftTree([rng.randrange(V) for _ in range(n)], [rng.randrange(-1, i) for i in range(n)])
+        probs = torch.softmax(torch.randn(n + 1, V, generator=torch.Generator().manual_seed(trial)), -1)
+        draws = []
+
+        def sample(row, gen=torch.Generator().manual_seed(10_000 + trial)):
+            draws.append(row)
+            return int(torch.multinomial(probs[row], 1, generator=gen))
+        res = coupled_accept(tree, sample)
+        # plain: the same stream drawn position by position along the emitted path
+        gen = torch.Generator().manual_seed(10_000 + trial)
+        rows = [0] + [i + 1 for i in res.accepted_nodes]
+        plain = [int(torch.multinomial(probs[r], 1, generator=gen)) for r in rows]
+        assert res.output_tokens == plain and draws == rows
+        assert [tree.tokens[i] for i in res.accepted_nodes] == res.accepted_tokens
+        assert all(tree.parents[b] == a for a, b in zip([-1] + res.accepted_nodes, res.accepted_nodes))
+    with pytest.raises(ValueError):
+        coupled_accept(DraftTree([1], [-1], torch.ones(1, V) / V), lambda r: 0)
+
+
+def test_coupled_accept_acceptance_rate():
+    """A star of distinct tokens is entered with probability sum_c p(t_c), a chain's first node
+    with p(t_0): the rate of recursive rejection sampling for point-mass drafts."""
+    from vllm_spec_plugins.scorers import coupled_accept
+    p = torch.tensor([0.5, 0.2, 0.2, 0.1])
+    gen = torch.Generator().manual_seed(3)
+    for tree, want in ((DraftTree([1, 2], [-1, -1]), 0.4), (DraftTree([0, 3], [-1, 0]), 0.5)):
+        hits = sum(bool(coupled_accept(tree, lambda r: int(torch.multinomial(p, 1, generator=gen))).accepted_nodes)
+                   for _ in range(20_000))
+        assert abs(hits / 20_000 - want) < 0.015, (hits, want)

@@ -44,6 +44,7 @@ SYMBOLS: dict[str, dict[str, tuple[str, ...]]] = {
         "GPUModelRunner._prepare_inputs": ("self", "scheduler_output", "num_scheduled_tokens"),
         "GPUModelRunner._update_states": ("self", "scheduler_output"),
         "GPUModelRunner.positions": (),
+        "GPUModelRunner.sampler": (),
         "GPUModelRunner.query_start_loc": (),
     },
     "vllm.v1.attention.backends.cpu_attn": {
@@ -55,6 +56,12 @@ SYMBOLS: dict[str, dict[str, tuple[str, ...]]] = {
         "InputBatch.generators": (), "InputBatch.num_logprobs": (), "InputBatch.top_p_reqs": (),
         "InputBatch.top_k_reqs": (), "InputBatch.bad_words_token_ids": (),
         "InputBatch.token_ids_cpu": (), "InputBatch.num_tokens_no_spec": (),
+    },
+    "vllm.v1.sample.sampler": {
+        "Sampler.topk_topp_sampler": (),
+    },
+    "vllm.v1.sample.ops.topk_topp_sampler": {
+        "TopKTopPSampler.forward_native": ("self", "logits", "generators", "k", "p"),
     },
     "vllm.v1.sample.rejection_sampler": {
         "expand_batch_to_tokens": ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"),
@@ -264,6 +271,8 @@ def _patch_runner() -> None:
         if logits is not None and getattr(drafter, "needs_target_argmax", False):
             # Target argmax at every verified position, before the sampler touches the logits.
             drafter.record_target_argmax(logits, spec_decode_metadata)
+        if tree_step.current() is not None:
+            tree_step.save_generators(self)
         out = orig_sample(self, logits, spec_decode_metadata)
         if tree_step.current() is not None:
             tree_step.accept(self, logits, spec_decode_metadata, out, getattr(drafter, "_argmax", None))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_spec_plugins.scorers import DraftTree, greedy_accept, sampled_accept
+from vllm_spec_plugins.scorers import DraftTree, coupled_accept, greedy_accept, sampled_accept
 
 _SAMPLING_EPS = 1e-5
 
@@ -29,6 +29,7 @@ class TreeStep:
     masks: dict[int, torch.Tensor]                 # batch row -> [1+n, 1+n] ancestor mask
     accepted: dict[int, list[int]] = field(default_factory=dict)
     kv_caches: dict[int, tuple] = field(default_factory=dict)   # data_ptr -> (K, V, isa) per layer
+    gen_states: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> its generator before sampling
     slot_mapping: torch.Tensor | None = None
     plan: object = None                            # tree_attention plan, built once per step
 
@@ -119,6 +120,32 @@ def attend(impl, layer, query, kv_cache, attn_metadata, output) -> None:
         step.slot_mapping = attn_metadata.slot_mapping
 
 
+def save_generators(runner) -> None:
+    """Before vLLM's sampler runs: the state of each seeded tree row's generator, so that our
+    acceptance draws from it exactly as decoding without speculation would (see `accept`)."""
+    step = _current
+    gens = runner.input_batch.generators
+    for i in step.rows:
+        g = gens.get(i)
+        if g is not None and float(runner.input_batch.temperature_cpu[i]) >= _SAMPLING_EPS:
+            step.gen_states[i] = g.get_state()
+
+
+def _plain_sampler(runner, i: int, rows: torch.Tensor, temp: float):
+    """sample(row) for `coupled_accept`: the token vLLM's own sampler draws for this request at
+    that row, as in a decode step without speculation: fp32 logits / temperature, then its
+    top-k/top-p sampler (no top-k/p: only requests without them get drafts) with the request's
+    generator, one draw per call. Unseeded requests draw from the global generator, as vLLM does."""
+    gen = runner.input_batch.generators.get(i)
+    gens = {0: gen} if gen is not None else {}
+    t = torch.tensor([[temp]], dtype=torch.float32)
+
+    def sample(row: int) -> int:
+        x = rows[row:row + 1].to(torch.float32) / t
+        return int(runner.sampler.topk_topp_sampler(x, gens, None, None)[0])
+    return sample
+
+
 def accept(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output,
            argmax: list[list[int]] | None = None) -> None:
     """Tree acceptance for tree rows, written into the sampler output; then KV compaction.
@@ -139,6 +166,10 @@ def accept(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output,
         temp = float(batch.temperature_cpu[i])
         if temp < _SAMPLING_EPS:
             res = greedy_accept(tree, argmax[i] if argmax is not None else rows)
+        elif tree.draft_probs is None:          # our drafts are deterministic: couple with plain sampling
+            if i in step.gen_states:            # undo what vLLM's own sampling of this row drew
+                batch.generators[i].set_state(step.gen_states[i])
+            res = coupled_accept(tree, _plain_sampler(runner, i, rows, temp))
         else:
             probs = torch.softmax(rows.float() / temp, dim=-1)
             res = sampled_accept(tree, probs, batch.generators.get(i))

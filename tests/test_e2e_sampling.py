@@ -90,27 +90,46 @@ SEEDED_SPECS = {
 }
 
 
+SEEDED_PARAMS = [{"temperature": 0.0}, {"temperature": 0.8}, {"temperature": 1.0, "top_p": 0.9}, {"temperature": 0.9, "top_k": 20}]
+
+
 def _seeded_job(model, prompts, spec=None):
-    per_request = [{"seed": 100 + i, "temperature": 0.8 if i % 3 else 0.0} for i in range(len(prompts))]
-    return {"model": model, "speculative_config": spec, "groups": {"all": prompts}, "max_tokens": 32,
-            "temperature": 0.8, "batch_size": 8, "dtype": "float32", "max_model_len": 2048,
-            "per_request_params": per_request, "llm_kwargs": {"enforce_eager": True}}
+    """Greedy, T=0.8, top-p and top-k requests, each with its own seed, in one batch; then the same
+    prompts again, now prefix-cached: the scheduler admits them as decodes padded with
+    placeholder drafts."""
+    per_request = [{"seed": 100 + i, **SEEDED_PARAMS[i % 4]} for i in range(len(prompts))]
+    return {"model": model, "speculative_config": spec, "groups": {"first": prompts, "again": prompts},
+            "max_tokens": 32, "temperature": 0.8, "batch_size": 8, "dtype": "float32", "max_model_len": 2048,
+            "per_request_params": per_request, "enable_prefix_caching": True, "llm_kwargs": {"enforce_eager": True}}
 
 
 @pytest.fixture(scope="module")
-def plain_seeded(default_model, heldout_prompts):
-    return run_isolated(_seeded_job(default_model, heldout_prompts))["groups"]["all"]
+def seeded_prompts(default_model, heldout_prompts):
+    """8 prompts of 129 tokens (held-out text): on the second pass 128 are prefix-cached (one full
+    block), so each is admitted as a decode padded with placeholder drafts."""
+    from transformers import AutoTokenizer
+
+    from vllm_spec_plugins.runner import to_token_prompts
+    toks = [t for p in to_token_prompts(AutoTokenizer.from_pretrained(default_model), heldout_prompts) for t in p]
+    return [toks[37 * i: 37 * i + 129] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def plain_seeded(default_model, seeded_prompts):
+    return run_isolated(_seeded_job(default_model, seeded_prompts))["groups"]
 
 
 @pytest.mark.parametrize("method", [pytest.param(m, marks=[pytest.mark.slow] if m in ("lookahead", "cascade") else [])
                                     for m in SEEDED_SPECS])
-def test_seeded_sampling_equals_plain(method, default_model, heldout_prompts, plain_seeded):
-    """Seeded sampled requests (T=0.8, each its own seed; greedy ones in the same batch) give plain
-    vLLM's own output token for token: each emitted token is drawn with vLLM's sampler and the
-    request's generator exactly as without speculation, and a draft is accepted iff it equals
-    that draw (scorers.coupled_accept). So seeded output repeats whatever the drafts were,
-    including bandit shapes and back-off steps chosen from measured time."""
-    got = run_isolated(_seeded_job(default_model, heldout_prompts, SEEDED_SPECS[method]))["groups"]["all"]
-    assert got["drafts"] > 0 and got["accepted"] > 0
-    for i, (a, b) in enumerate(zip(got["outputs"], plain_seeded["outputs"])):
-        assert a == b, f"{method}: request {i} (seed {100 + i}) differs from plain vLLM"
+def test_seeded_sampling_equals_plain(method, default_model, seeded_prompts, plain_seeded):
+    """Seeded sampled requests (T=0.8, top-p, top-k, each its own seed; greedy ones in the same
+    batch), fresh and prefix-cached, give plain vLLM's own output token for token: each emitted
+    token is drawn with vLLM's sampler and the request's generator exactly as without
+    speculation, and a draft is accepted iff it equals that draw (scorers.coupled_accept). So
+    seeded output repeats whatever the drafts were, including bandit shapes and back-off steps
+    chosen from measured time."""
+    got = run_isolated(_seeded_job(default_model, seeded_prompts, SEEDED_SPECS[method]))["groups"]
+    assert got["first"]["drafts"] > 0 and got["first"]["accepted"] > 0
+    for g in ("first", "again"):
+        for i, (a, b) in enumerate(zip(got[g]["outputs"], plain_seeded[g]["outputs"])):
+            assert a == b, f"{method}: {g} pass, request {i} ({SEEDED_PARAMS[i % 4]}, seed {100 + i}) differs from plain vLLM"

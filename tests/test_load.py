@@ -1,7 +1,8 @@
 """scripts/load.py through the real server: mixed traffic (greedy, seeded T=0.7 / top-p, stop strings,
-logprobs, n=2, JSON schema, streams dropped mid-way, prompts up to the context) with prefix caching
-and a KV cache small enough to force preemption. lookahead, mamba and cascade: no failed request, greedy
-equal to plain vLLM (float32), seeded samples repeat, per-request plugin state back to its baseline."""
+logprobs, n=2, JSON schema, streams dropped mid-way, prompts up to the context, a malformed request)
+with prefix caching and a KV cache small enough to force preemption. lookahead, mamba and cascade
+(with back-off, as served): no failed request, the malformed one refused with a 4xx, greedy equal to
+plain vLLM (float32), seeded samples repeat, per-request plugin state back to its baseline."""
 import json
 
 import pytest
@@ -21,7 +22,8 @@ def test_load_mixed_traffic_all_methods(default_model, tmp_path):
     assert [r["method"] for r in reports] == ["plain", "lookahead", "mamba", "cascade"]
     for r in reports:
         assert r["failed"] == 0, (r["method"], r["failures"])
-        assert r["completed"] + r["dropped"] == 40 and r["dropped"] == 2
+        assert r["completed"] + r["dropped"] + r["malformed"] == 40 and r["dropped"] == 2
+        assert r["malformed"] == 1 and r["malformed_rejected"] == 1, r["malformed_answers"]
         assert r["greedy_mismatches"] == 0, r["method"]
         assert r["seeded_repeat_mismatches"] == 0, r["method"]
         assert r["state_back_to_baseline"], (r["method"], r["plugin_state_after"])

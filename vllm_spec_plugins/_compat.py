@@ -53,8 +53,8 @@ SYMBOLS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "vllm.v1.worker.gpu_input_batch": {
         "InputBatch.num_computed_tokens_cpu": (), "InputBatch.temperature_cpu": (),
-        "InputBatch.generators": (), "InputBatch.num_logprobs": (), "InputBatch.top_p_reqs": (),
-        "InputBatch.top_k_reqs": (), "InputBatch.bad_words_token_ids": (),
+        "InputBatch.generators": (), "InputBatch.num_logprobs": (), "InputBatch.sampling_metadata": (),
+        "InputBatch.bad_words_token_ids": (),
         "InputBatch.token_ids_cpu": (), "InputBatch.num_tokens_no_spec": (),
     },
     "vllm.v1.sample.sampler": {

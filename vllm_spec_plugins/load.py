@@ -24,10 +24,13 @@ from pathlib import Path
 METHODS = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
-    "lookahead": {"method": "lookahead", "num_speculative_tokens": 6},
+    # as the serving drop-ins in configs/: back-off on (bandit_tree has it built in)
+    "lookahead": {"method": "lookahead", "num_speculative_tokens": 6, "backoff": True},
     "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 16},
-    "mamba": {"method": "mamba", "num_speculative_tokens": 4, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
-    "cascade": {"method": "cascade", "num_speculative_tokens": 8, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
+    "mamba": {"method": "mamba", "num_speculative_tokens": 4, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba",
+              "backoff": True},
+    "cascade": {"method": "cascade", "num_speculative_tokens": 8, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba",
+                "backoff": True},
 }
 JSON_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}, "confidence": {"type": "integer"}},
                "required": ["answer", "confidence"]}
@@ -36,6 +39,10 @@ JSON_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}, "c
 KINDS = ["greedy"] * 8 + ["stop"] * 2 + ["logprobs"] * 2 + ["temp"] * 3 + ["top_p"] * 2 + ["n2", "json", "drop"]
 SEEDED = ("temp", "top_p", "n2")
 GREEDY = ("greedy", "stop", "logprobs", "json")
+# every 25th request is malformed (cycling through these): the server must answer 4xx with a
+# message and keep serving everything else
+BAD = [("temperature", -1.0), ("max_tokens", "context"), ("prompt", "out_of_vocab"), ("logprobs", 1000),
+       ("top_p", 1.5), ("n", 0)]
 
 
 def free_port() -> int:
@@ -120,8 +127,13 @@ def workload(model: str, n: int, max_tokens: int, max_model_len: int, seed: int 
             while len(p) < budget:
                 p += prompts[rng.randrange(len(prompts))]
         p = p[-budget:]
-        kind = KINDS[i % len(KINDS)]
+        kind = "bad" if i % 25 == 24 else KINDS[i % len(KINDS)]
         b = {"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "return_token_ids": True}
+        if kind == "bad":
+            field, value = BAD[(i // 25) % len(BAD)]
+            value = {"context": 2 * max_model_len, "out_of_vocab": p[:8] + [10 ** 9]}.get(value, value)
+            b[field] = value
+            b["bad_field"] = field
         if kind == "stop":
             b["stop"] = ["\n\n", "."]
         elif kind == "logprobs":
@@ -142,7 +154,7 @@ def workload(model: str, n: int, max_tokens: int, max_model_len: int, seed: int 
 
 async def _one(session, base: str, model: str, req: dict, drop_after: int = 3) -> dict:
     import aiohttp
-    body = {**req["body"], "model": model}
+    body = {k: v for k, v in {**req["body"], "model": model}.items() if k != "bad_field"}
     t0 = time.perf_counter()
     out = {"i": req["i"], "kind": req["kind"]}
     try:
@@ -162,6 +174,9 @@ async def _one(session, base: str, model: str, req: dict, drop_after: int = 3) -
             out.update(status=r.status, latency=time.perf_counter() - t0)
             if r.status != 200:
                 out["error"] = str(data)[:300]
+                return out
+            if req["kind"] == "bad":
+                out["error"] = f"accepted a malformed request ({req['body']['bad_field']})"
                 return out
             out["id"] = data.get("id")
             ch = sorted(data["choices"], key=lambda c: c["index"])
@@ -264,9 +279,15 @@ def run_method(name: str, spec, model: str, reqs: list[dict], a, workdir: Path) 
             alive = True
         except Exception:
             alive = False
-    done = [r for r in res if r.get("status") == 200 and not r.get("dropped")]
-    failed = [r for r in res if r.get("status") != 200]
-    repeat_bad = sum(1 for r2 in again if r2.get("texts") != res[r2["i"]].get("texts"))
+    bad = [r for r in res if r["kind"] == "bad"]
+    res_ok = [r for r in res if r["kind"] != "bad"]
+    done = [r for r in res_ok if r.get("status") == 200 and not r.get("dropped")]
+    failed = [r for r in res_ok if r.get("status") != 200]
+    # a malformed request must get a client error with a message (not 200, not a 5xx / dropped connection)
+    rejected = [r for r in bad if 400 <= r.get("status", 0) < 500 and r.get("error")]
+    repeat_diff = [{"i": r2["i"], "kind": r2["kind"], "first": res[r2["i"]].get("texts"), "again": r2.get("texts")}
+                   for r2 in again if r2.get("texts") != res[r2["i"]].get("texts")]
+    repeat_bad = len(repeat_diff)
     drafts = c1["drafts"] - c0["drafts"]
     acc = c1["accepted"] - c0["accepted"]
     per_pos = [(c1["per_pos"].get(p, 0.0) - c0["per_pos"].get(p, 0.0)) / drafts if drafts else 0.0
@@ -274,12 +295,20 @@ def run_method(name: str, spec, model: str, reqs: list[dict], a, workdir: Path) 
     lat = [r["latency"] for r in done]
     return {"method": name, "spec": spec, "requests": len(res), "completed": len(done), "failed": len(failed),
             "failures": [f.get("error") for f in failed][:5], "dropped": sum(1 for r in res if r.get("dropped")),
+            "malformed": len(bad), "malformed_rejected": len(rejected),
+            "malformed_answers": [(r.get("status"), (r.get("error") or "")[:120]) for r in bad][:6],
             "wall_s": wall, "output_tokens": sum(r["tokens"] for r in done),
             "tok_per_s": sum(r["tokens"] for r in done) / wall, "req_per_s": len(done) / wall,
             "latency_p50": _pct(lat, .5), "latency_p90": _pct(lat, .9), "latency_p99": _pct(lat, .99),
             "tau": 1 + acc / drafts if drafts else None, "per_position_acceptance": per_pos,
-            "seeded_repeat_mismatches": repeat_bad, "preemptions": c1["preemptions"] - c0["preemptions"], "server_alive": alive,
-            "plugin_state_before": base_state, "plugin_state_after": state, "results": res}
+            "seeded_repeat_mismatches": repeat_bad, "seeded_repeat_diffs": repeat_diff[:5], "preemptions": c1["preemptions"] - c0["preemptions"], "server_alive": alive,
+            "plugin_state_before": base_state, "plugin_state_after": state,
+            "plugin_bytes_before": _state_bytes(base_state), "plugin_bytes_after": _state_bytes(state), "results": res}
+
+
+def _state_bytes(state: list[dict]) -> int:
+    """Bytes of per-request proposer state held, over workers (methods that can report it)."""
+    return sum(w.get("nbytes") or 0 for w in state)
 
 
 def compare(plain: dict, got: dict) -> int:
@@ -294,10 +323,16 @@ def compare(plain: dict, got: dict) -> int:
 
 
 def state_back_to_baseline(rep: dict) -> bool:
-    """Per worker: at most the probe's own request left beyond the state held before the load."""
+    """Per worker: at most the probe's own request (and its bytes) left beyond the state held
+    before the load."""
     before = {w.get("method"): w for w in rep["plugin_state_before"]}
     for w in rep["plugin_state_after"]:
-        if w.get("requests", 0) > before.get(w.get("method"), {}).get("requests", 0) + 1:
+        b = before.get(w.get("method"), {})
+        if w.get("requests", 0) > b.get("requests", 0) + 1:
+            return False
+        if w.get("requests", 0) > b.get("requests", 0) and (w.get("nbytes") or 0) > 0:
+            continue                                   # the probe's own state, freed at the next step
+        if (w.get("nbytes") or 0) > (b.get("nbytes") or 0):
             return False
     return True
 
@@ -305,15 +340,15 @@ def state_back_to_baseline(rep: dict) -> bool:
 def table(reports: list[dict]) -> str:
     """Markdown table, one row per method (x plain: output tokens/s over plain vLLM's)."""
     plain = reports[0]["tok_per_s"]
-    rows = ["| method | ok | failed | dropped | tok/s | x plain | p50 s | p99 s | tau | per-position acceptance "
-            "| greedy != plain | seeded repeat != | preemptions | plugin state |", "|" + "---|" * 14]
+    rows = ["| method | ok | failed | dropped | malformed rejected | tok/s | x plain | p50 s | p99 s | tau | "
+            "per-position acceptance | greedy != plain | seeded repeat != | preemptions | plugin state |",
+            "|" + "---|" * 15]
     for r in reports:
         pp = " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]) or "-"
-        rows.append(f"| {r['method']} | {r['completed']} | {r['failed']} | {r['dropped']} | {r['tok_per_s']:.1f} | "
-                    f"{r['tok_per_s'] / plain:.2f} | {r['latency_p50']:.1f} | {r['latency_p99']:.1f} | "
-                    f"{r['tau']:.2f} | {pp} | " if r["tau"] else
-                    f"| {r['method']} | {r['completed']} | {r['failed']} | {r['dropped']} | {r['tok_per_s']:.1f} | "
-                    f"{r['tok_per_s'] / plain:.2f} | {r['latency_p50']:.1f} | {r['latency_p99']:.1f} | - | - | ")
+        head = (f"| {r['method']} | {r['completed']} | {r['failed']} | {r['dropped']} | "
+                f"{r['malformed_rejected']}/{r['malformed']} | {r['tok_per_s']:.1f} | {r['tok_per_s'] / plain:.2f} | "
+                f"{r['latency_p50']:.1f} | {r['latency_p99']:.1f} | ")
+        rows.append(head + (f"{r['tau']:.2f} | {pp} | " if r["tau"] else "- | - | "))
         rows[-1] += (f"{r['greedy_mismatches']} | {r['seeded_repeat_mismatches']} | {r['preemptions']:.0f} | "
                      f"{'baseline' if r['state_back_to_baseline'] else 'LEAK'} |")
     return "\n".join(rows) + "\n"
@@ -376,5 +411,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out / 'load.json'} and {out / 'load.png'}")
     (out / "load.md").write_text(table(reports))
     ok = all(r["failed"] == 0 and r["greedy_mismatches"] == 0 and r["seeded_repeat_mismatches"] == 0
-             and r["state_back_to_baseline"] for r in reports)
+             and r["state_back_to_baseline"] and r["malformed_rejected"] == r["malformed"] and r["server_alive"]
+             for r in reports)
     return 0 if ok else 1

@@ -83,9 +83,11 @@ def build_proposer(params: dict, max_requests: int = 8) -> Proposer:
 
 
 def tree_eligible(runner, i: int, rid: str) -> bool:
-    """Trees need raw target logits: no logprobs, penalties, top-k/p, bias or grammar."""
+    """Requests our acceptance reproduces exactly (drafts, trees, and their sampling): greedy or
+    temperature with top-k/top-p (drawn by vLLM's own sampler). Not: logprobs (vLLM computes them
+    for its own tokens), penalties, bias, min_p, bad words, allowed ids or a grammar."""
     b = runner.input_batch
-    if (rid in b.num_logprobs or rid in b.top_p_reqs or rid in b.top_k_reqs
+    if (rid in b.num_logprobs
             or rid in b.frequency_penalties_reqs or rid in b.presence_penalties_reqs
             or rid in b.repetition_penalties_reqs or rid in b.has_allowed_token_ids
             or i in b.bad_words_token_ids):

@@ -69,17 +69,26 @@ def begin(runner, scheduler_output, pending: dict[str, DraftTree]) -> None:
     masks: dict[int, torch.Tensor] = {}
     temps = batch.temperature_cpu[:batch.num_reqs]
     mixed = bool((temps >= _SAMPLING_EPS).any()) and bool((temps < _SAMPLING_EPS).any())
+    from vllm_spec_plugins.proposer import tree_eligible
     for i, rid in enumerate(batch.req_ids):
-        drafts = scheduled.get(rid, ())
+        drafts = list(scheduled.get(rid, ()))
         tree = pending.pop(rid, None)
-        if not drafts or min(drafts) < 0:
+        if not drafts:
             continue
         sampled = float(batch.temperature_cpu[i]) >= _SAMPLING_EPS
+        valid = drafts[:drafts.index(-1)] if -1 in drafts else drafts     # -1: the scheduler's placeholders
+        if len(valid) < len(drafts):
+            # Placeholder drafts (a request admitted as a decode: resumed, or its prompt fully
+            # prefix-cached). vLLM's rejection sampler would draw a sampled row's token unlike plain
+            # decoding does; ours draws it exactly as plain (an empty tree: one draw) where it can.
+            if not (sampled and tree_eligible(runner, i, rid)):
+                continue
+            tree = None
         if tree is None:
             if not (sampled or mixed):
                 continue
-            tree = DraftTree.from_chain(list(drafts))
-        tree = truncate(tree, len(drafts))
+            tree = DraftTree.from_chain(valid)
+        tree = truncate(tree, len(valid))
         chain = tree.is_chain
         if chain and not (sampled or mixed):
             continue
@@ -134,15 +143,18 @@ def save_generators(runner) -> None:
 def _plain_sampler(runner, i: int, rows: torch.Tensor, temp: float):
     """sample(row) for `coupled_accept`: the token vLLM's own sampler draws for this request at
     that row, as in a decode step without speculation: fp32 logits / temperature, then its
-    top-k/top-p sampler (no top-k/p: only requests without them get drafts) with the request's
-    generator, one draw per call. Unseeded requests draw from the global generator, as vLLM does."""
+    top-k/top-p sampler with the request's top-k/top-p and generator, one draw per call.
+    Unseeded requests draw from the global generator, as vLLM does."""
+    md = runner.input_batch.sampling_metadata
     gen = runner.input_batch.generators.get(i)
     gens = {0: gen} if gen is not None else {}
     t = torch.tensor([[temp]], dtype=torch.float32)
+    k = md.top_k[i:i + 1] if md.top_k is not None else None
+    p = md.top_p[i:i + 1] if md.top_p is not None else None
 
     def sample(row: int) -> int:
         x = rows[row:row + 1].to(torch.float32) / t
-        return int(runner.sampler.topk_topp_sampler(x, gens, None, None)[0])
+        return int(runner.sampler.topk_topp_sampler(x, gens, k, p)[0])
     return sample
 
 

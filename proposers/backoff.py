@@ -8,6 +8,11 @@ drafting + the target's pass + everything between). Steps that also ran prefill 
 rewarded. Large batches, where a draft token costs more than it returns, end up on arm 0; small
 ones keep speculating, and the discount re-tries the other arm as the traffic changes.
 
+Drafts only get dearer as the batch grows (the target's pass costs more per verified token while
+acceptance does not depend on the batch), so a bucket does not explore its drafts arm while a
+smaller bucket measures drafts losing (unless its own measurement says they win): a draft step at
+batch 32 costs several plain steps on a CPU, and the smaller buckets re-try for it, cheaper.
+
 The wrapped proposer sees every step: with a budget of 0 when the bucket is on arm 0, so its
 per-request state (n-gram pool, Jacobi window, drafter state) stays current.
 """
@@ -54,6 +59,13 @@ class Backoff(Proposer):
             t = self.tables[bucket] = DiscountedUCB(2, self.exploration, self.discount)
         return t
 
+    def choose(self, bucket: int) -> int:
+        t = self.table(bucket)
+        arm = t.choose()
+        if arm == ON and not _wins(t) and any(b < bucket and _loses(s) for b, s in self.tables.items()):
+            arm = OFF
+        return arm
+
     def propose(self, ctx: StepContext) -> list:
         now = self.clock()
         for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
@@ -73,7 +85,7 @@ class Backoff(Proposer):
         budget = ctx.budget(self.k)
         if live and budget:
             bucket = batch_bucket(len(live))
-            arm = self.table(bucket).choose()
+            arm = self.choose(bucket)
             if self.sync is not None:
                 arm = self.sync(arm)
             self.pending = (bucket, arm, [r.req_id for r in live])
@@ -90,3 +102,18 @@ class Backoff(Proposer):
         """Per bucket: the learned rates (tokens / s / request) of [off, on] and pull counts."""
         return {str(b): {"rate_off_on": t.means(), "pulls_off_on": list(t.pulls)}
                 for b, t in sorted(self.tables.items())}
+
+
+def _rates(t: DiscountedUCB):
+    r = t.means()
+    return None if r[OFF] is None or r[ON] is None else r
+
+
+def _wins(t: DiscountedUCB) -> bool:
+    r = _rates(t)
+    return r is not None and r[ON] >= r[OFF]
+
+
+def _loses(t: DiscountedUCB) -> bool:
+    r = _rates(t)
+    return r is not None and r[ON] < r[OFF]

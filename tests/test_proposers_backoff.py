@@ -87,3 +87,30 @@ def test_budget_zero_and_prefill_steps():
     clock.t += 5
     prop.propose(StepContext([req("a", [9, 9, 9], [4]), req("b", [9, 9, 9], [8])]))
     assert sum(prop.tables[2].pulls) == 1
+
+
+def test_larger_bucket_does_not_explore_drafts_that_lose_at_a_smaller_one():
+    """Drafts that lose at batch 2 are not explored at batch 10 (bucket 8): a draft step there
+    costs more and accepts no more. Without the small-batch evidence bucket 8 does explore."""
+    def serve(warm_small: bool):
+        target = lcg()
+        clock = Clock(target, 10.0, 1.0)
+        prop = Backoff(AdversarialProposer(4, vocab_size=1024), clock=clock)
+        eng = ToyEngine(prop, clock.next, vocab_size=1024)
+        for i in range(2 if warm_small else 0):
+            eng.add(f"s{i}", [7 + i, 1], 400)
+        for _ in range(60 if warm_small else 0):
+            eng.step()
+            clock.t += 10.0
+        for i in range(8):
+            eng.add(f"b{i}", [40 + i, 2], 40)
+        while eng.reqs:
+            eng.step()
+            clock.t += 10.0
+        return prop
+
+    cold = serve(False)
+    assert cold.tables[8].pulls[ON] > 0
+    warm = serve(True)
+    assert warm.tables[2].means()[ON] < warm.tables[2].means()[OFF], warm.backoff_state()
+    assert warm.tables[8].pulls[ON] == 0 and warm.tables[8].pulls[OFF] > 20, warm.backoff_state()

@@ -5,8 +5,10 @@ drafts nothing, arm 1 lets the wrapped proposer draft. The reward is the one `ba
 tokens the step produced per request (accepted drafts + 1; always 1 without drafts, so arm 0's
 tokens are known every step) over the step's measured wall time (from one proposal to the next:
 drafting + the target's pass + everything between). Steps that also ran prefill work are not
-rewarded. Large batches, where a draft token costs more than it returns, end up on arm 0; small
-ones keep speculating, and the discount re-tries the other arm as the traffic changes.
+rewarded, unless every step does (`STEADY_PREFILL` in a row: continuous traffic, where prefill is
+part of every arm's cost; skipping them all would leave the bandit exploring forever). Large
+batches, where a draft token costs more than it returns, end up on arm 0; small ones keep
+speculating, and the discount re-tries the other arm as the traffic changes.
 
 Drafts only get dearer as the batch grows (the target's pass costs more per verified token while
 acceptance does not depend on the batch), so a bucket does not explore its drafts arm while a
@@ -21,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from .bandit import DiscountedUCB, batch_bucket
+from .bandit import STEADY_PREFILL, DiscountedUCB, batch_bucket
 from .base import Proposer, StepContext
 
 OFF, ON = 0, 1
@@ -42,6 +44,7 @@ class Backoff(Proposer):
         self.backoff_stats = {"steps_on": 0, "steps_off": 0}
         self.seen: set[str] = set()        # requests past their first step (freed with them)
         self.sync = None                   # tensor parallel: rank 0's arm for every rank
+        self.prefill_run = 0               # steps in a row that ran prefill work
 
     # the wrapped proposer's extras (plugin_state_summary / bench read these)
     def __getattr__(self, name):
@@ -74,7 +77,8 @@ class Backoff(Proposer):
         # a step that prefilled anything (a chunk, or a request's first token) is not rewarded
         prefill = len(live) < len(ctx.requests) or any(r.req_id not in self.seen for r in live)
         self.seen.update(r.req_id for r in live)
-        if self.pending is not None and self.last_start is not None and not prefill:
+        self.prefill_run = self.prefill_run + 1 if prefill else 0
+        if self.pending is not None and self.last_start is not None and not 0 < self.prefill_run <= STEADY_PREFILL:
             bucket, arm, rids = self.pending
             by_id = {r.req_id: r for r in live}
             done = [by_id[r] for r in rids if r in by_id]

@@ -34,6 +34,10 @@ from .lookahead import LookaheadProposer
 
 logger = logging.getLogger("vllm_spec_plugins")
 
+#: Steps that also ran prefill work are not rewarded (their time is mostly the prompts), unless
+#: this many in a row did: traffic that keeps prefilling, where prefill is part of every arm's cost.
+STEADY_PREFILL = 8
+
 
 def shape_family(max_depth: int, max_width: int, node_budget: int, backoff: bool = True) -> list[tuple]:
     """No speculation (if `backoff`), chains of depth 1, 2, 4, ... max_depth, and for each depth
@@ -164,6 +168,7 @@ class BanditTreeProposer(LookaheadProposer):
         self.tables: dict[tuple, DiscountedUCB] = {}
         self.pending: dict[tuple, tuple[int, list[str]]] = {}   # context -> (arm, request ids) of last step
         self.last_start: float | None = None
+        self.prefill_run = 0             # steps in a row that ran prefill work
         self.steps = 0
         self.draft_seconds = 0.0
         self.history: deque = deque(maxlen=history)   # (step, key, bucket, arm, reward)
@@ -217,8 +222,10 @@ class BanditTreeProposer(LookaheadProposer):
         live = [r for r in ctx.requests if r.sampled]
         # A step that also ran prefill work (a prompt chunk, or a prompt finished this step) says
         # little about the drafts: its time is mostly the prompt. Such steps teach nothing.
+        # Unless every step does (continuous traffic): then prefill is part of every arm's cost.
         prefill = any(not r.sampled or r.req_id not in self.states for r in ctx.requests)
-        if self.last_start is not None and self.pending and not prefill:
+        self.prefill_run = self.prefill_run + 1 if prefill else 0
+        if self.last_start is not None and self.pending and not 0 < self.prefill_run <= STEADY_PREFILL:
             self._reward(live, now - self.last_start)
         self.pending, self.subsets = {}, {}
         bucket = batch_bucket(len(live))

@@ -114,3 +114,21 @@ def test_larger_bucket_does_not_explore_drafts_that_lose_at_a_smaller_one():
     warm = serve(True)
     assert warm.tables[2].means()[ON] < warm.tables[2].means()[OFF], warm.backoff_state()
     assert warm.tables[8].pulls[ON] == 0 and warm.tables[8].pulls[OFF] > 20, warm.backoff_state()
+
+
+def test_learns_under_continuous_traffic():
+    """A new request every step: back-off still learns, and settles on no drafts where they are
+    never accepted."""
+    target = lcg()
+    clock = Clock(target, 10.0, 1.0)
+    prop = Backoff(AdversarialProposer(4, vocab_size=1024), clock=clock)
+    eng = ToyEngine(prop, clock.next, vocab_size=1024)
+    for i in range(300):
+        eng.add(f"r{i}", [7 + i % 900, 1], 12)
+        eng.step()
+        clock.t += 10.0
+    while eng.reqs:
+        eng.step()
+    eng.flush()
+    assert sum(sum(t.pulls) for t in prop.tables.values()) > 200, prop.backoff_state()
+    assert on_share(prop, skip=50) < 0.1, prop.backoff_state()

@@ -204,3 +204,26 @@ def test_side_observations_are_exact_for_sub_shapes():
     assert t2.tok[0] / t2.ntok[0] == 1.0
     assert t2.tok[1] / t2.ntok[1] == pytest.approx(np.mean([min(a, 1) + 1 for a in acc]), rel=0.02)
     assert t2.tok[2] / t2.ntok[2] == pytest.approx(np.mean([a + 1 for a in acc]), rel=0.02)
+
+
+def test_bandit_learns_under_continuous_traffic():
+    """A new request every step (every step runs prefill work): the bandit still learns (such
+    steps are rewarded once they are the steady state) and backs off where drafts cost three
+    plain steps, instead of exploring forever."""
+    f = pair_table_target(50, 5, 0.05, branching=3)
+    clock = CostClock(1.0, 3.0)
+    p = BanditTreeProposer(16, clock=clock, vocab_size=50)
+    eng = ToyEngine(p, f, vocab_size=50)
+    rng = np.random.default_rng(0)
+    prompts = {}
+    for i in range(300):
+        prompts[f"r{i}"] = rng.integers(0, 50, 12).tolist()
+        eng.add(f"r{i}", prompts[f"r{i}"], 12)
+        clock.charge(eng.step())
+    while eng.reqs:
+        clock.charge(eng.step())
+    eng.flush()
+    for rid, pr in prompts.items():
+        assert eng.done[rid].out == greedy(f, pr, 12)
+    assert sum(sum(t.pulls) for t in p.tables.values()) > 200, p.describe()
+    assert chosen(p, skip=100)["none"] > 0.8, p.describe()

@@ -269,6 +269,24 @@ def _host_list(x: torch.Tensor | Sequence[int]) -> list[int]:
     return x.tolist() if isinstance(x, torch.Tensor) else [int(v) for v in x]
 
 
+def _tree_rows(seq_lens, query_start_loc, tree_masks: Mapping[int, torch.Tensor]):
+    """Tree requests in order with their query start, query length and sequence length; checks
+    that each mask is square over the request's query rows and fits in its sequence."""
+    qsl, sl = _host_list(query_start_loc), _host_list(seq_lens)
+    reqs = sorted(int(r) for r in tree_masks)
+    q_start, q_len, seq_len = [], [], []
+    for r in reqs:
+        m, T = tree_masks[r], qsl[r + 1] - qsl[r]
+        if m.dim() != 2 or m.shape[0] != m.shape[1] or m.shape[0] != T:
+            raise ValueError(f"request {r}: tree mask {tuple(m.shape)} but {T} query rows")
+        if sl[r] < T:
+            raise ValueError(f"request {r}: seq_len {sl[r]} < {T} query rows")
+        q_start.append(qsl[r])
+        q_len.append(T)
+        seq_len.append(sl[r])
+    return reqs, q_start, q_len, seq_len
+
+
 def build_tree_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor | Sequence[int],
                     query_start_loc: torch.Tensor | Sequence[int], tree_masks: Mapping[int, torch.Tensor],
                     block_size: int, device: torch.device | str | None = None) -> TreeAttentionPlan | None:
@@ -277,21 +295,8 @@ def build_tree_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor | Sequenc
     if not tree_masks:
         return None
     device = torch.device(device) if device is not None else block_tables.device
-    reqs = sorted(int(r) for r in tree_masks)
-    qsl = _host_list(query_start_loc)
-    sl = _host_list(seq_lens)
-    q_start, q_len, seq_len, masks = [], [], [], []
-    for r in reqs:
-        m = tree_masks[r]
-        T = qsl[r + 1] - qsl[r]
-        if m.dim() != 2 or m.shape[0] != m.shape[1] or m.shape[0] != T:
-            raise ValueError(f"request {r}: tree mask {tuple(m.shape)} but {T} query rows")
-        if sl[r] < T:
-            raise ValueError(f"request {r}: seq_len {sl[r]} < {T} query rows")
-        q_start.append(qsl[r])
-        q_len.append(T)
-        seq_len.append(sl[r])
-        masks.append(m.to(device=device, dtype=torch.bool))
+    reqs, q_start, q_len, seq_len = _tree_rows(seq_lens, query_start_loc, tree_masks)
+    masks = [tree_masks[r].to(device=device, dtype=torch.bool) for r in reqs]
     R, t_max, s_max = len(reqs), max(q_len), max(seq_len)
     L = torch.tensor(seq_len, device=device)[:, None]
     P = L - torch.tensor(q_len, device=device)[:, None]                      # prefix lengths
@@ -342,22 +347,11 @@ def build_native_plan(seq_lens: torch.Tensor | Sequence[int], query_start_loc: t
     `build_tree_plan` does."""
     if not tree_masks:
         return None
-    qsl, sl = _host_list(query_start_loc), _host_list(seq_lens)
-    reqs = sorted(int(r) for r in tree_masks)
-    q_start, q_len, seq_len, masks, offs, off = [], [], [], [], [], 0
-    for r in reqs:
-        m = tree_masks[r]
-        T = qsl[r + 1] - qsl[r]
-        if m.dim() != 2 or m.shape[0] != m.shape[1] or m.shape[0] != T:
-            raise ValueError(f"request {r}: tree mask {tuple(m.shape)} but {T} query rows")
-        if sl[r] < T:
-            raise ValueError(f"request {r}: seq_len {sl[r]} < {T} query rows")
-        q_start.append(qsl[r])
-        q_len.append(T)
-        seq_len.append(sl[r])
-        masks.append(m.to(device="cpu", dtype=torch.uint8).reshape(-1))
-        offs.append(off)
-        off += T * T
+    reqs, q_start, q_len, seq_len = _tree_rows(seq_lens, query_start_loc, tree_masks)
+    masks = [tree_masks[r].to(device="cpu", dtype=torch.uint8).reshape(-1) for r in reqs]
+    offs = [0]
+    for T in q_len[:-1]:
+        offs.append(offs[-1] + T * T)
     i32 = functools.partial(torch.tensor, dtype=torch.int32)
     return NativeTreePlan((i32(reqs), i32(q_start), i32(q_len), i32(seq_len), torch.cat(masks),
                            torch.tensor(offs, dtype=torch.int64)))

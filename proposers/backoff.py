@@ -65,7 +65,8 @@ class Backoff(Proposer):
     def choose(self, bucket: int) -> int:
         t = self.table(bucket)
         arm = t.choose()
-        if arm == ON and not _wins(t) and any(b < bucket and _loses(s) for b, s in self.tables.items()):
+        if arm == ON and _on_wins(t) is not True and any(b < bucket and _on_wins(s) is False
+                                                          for b, s in self.tables.items()):
             arm = OFF
         return arm
 
@@ -108,16 +109,7 @@ class Backoff(Proposer):
                 for b, t in sorted(self.tables.items())}
 
 
-def _rates(t: DiscountedUCB):
+def _on_wins(t: DiscountedUCB) -> bool | None:
+    """Whether drafting measures at least as fast as not drafting; None until both are measured."""
     r = t.means()
-    return None if r[OFF] is None or r[ON] is None else r
-
-
-def _wins(t: DiscountedUCB) -> bool:
-    r = _rates(t)
-    return r is not None and r[ON] >= r[OFF]
-
-
-def _loses(t: DiscountedUCB) -> bool:
-    r = _rates(t)
-    return r is not None and r[ON] < r[OFF]
+    return None if None in r else r[ON] >= r[OFF]

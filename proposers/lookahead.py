@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .base import Proposer, RequestStep
+from .base import Proposer, RequestStep, StepContext
 
 if TYPE_CHECKING:
     from vllm_spec_plugins.scorers.tree import DraftTree
@@ -174,6 +174,17 @@ class LookaheadProposer(Proposer):
     def new_state(self, req: RequestStep) -> _State:
         return _State(self)
 
+    def propose(self, ctx: StepContext) -> list:
+        """A step with no draft budget (back-off, goodput, vLLM's schedule) skips the per-request
+        work: the text index is incremental and the Jacobi window positional, so the next step
+        that drafts catches up. The tree form keeps its per-step statistics and observes always."""
+        if self.tree or ctx.budget(self.k):
+            return super().propose(ctx)
+        for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
+            self.release(rid)
+        self.classes = [[] for _ in ctx.requests]
+        return [[] for _ in ctx.requests]
+
     def state_nbytes(self, req_id: str) -> int:
         st = self.states.get(req_id)
         return st.nbytes() if st is not None else 0
@@ -276,23 +287,33 @@ class LookaheadProposer(Proposer):
             return self._propose_tree(st, req, k)
         t = req.token_ids
         ctx = t[-max(self.pl_max, 1):].tolist()
-        chain = self._chain(st, t, ctx, k)
+        srcs: list[int] = []
+        starts: list[int] = []
+        chain = self._chain(st, t, ctx, k, srcs, starts)
         drafts = chain + st.window[len(chain):min(self.window, k)]
+        # token classes (for `Goodput`): the tree form's (source, continuation, depth) scheme,
+        # the window tail as source 3
+        D, first = self._DEPTHS, set(starts) | {len(chain)}
+        self._classes = [(2 * (srcs[j] if j < len(chain) else 3) + (j not in first)) * D + min(j, D - 1)
+                         for j in range(len(drafts))]
         if self.vocab_size is not None:
             for i, x in enumerate(drafts):
                 if not 0 <= x < self.vocab_size:
                     return drafts[:i]
         return drafts[:k]
 
-    def _chain(self, st: _State, t: np.ndarray, ctx: list[int], k: int, srcs: list[int] | None = None) -> list[int]:
+    def _chain(self, st: _State, t: np.ndarray, ctx: list[int], k: int, srcs: list[int] | None = None,
+               starts: list[int] | None = None) -> list[int]:
         """The chain form's candidate: `_extend` repeated up to k tokens. `srcs`, if given,
         receives each token's source (0: prompt lookup, >= 2 tokens of context; 1: pool; 2:
-        1-token prompt lookup)."""
+        1-token prompt lookup); `starts` the index where each extension begins."""
         chain: list[int] = []
         while len(chain) < k:
             ext = self._extend(st, t, (ctx + chain)[-len(ctx):], k - len(chain), srcs)
             if not ext:
                 break
+            if starts is not None:
+                starts.append(len(chain))
             chain += ext
         return chain
 
@@ -338,6 +359,8 @@ class LookaheadProposer(Proposer):
     #: scored like any node). Simulated tau, tree/chain geomean over 5 toy targets x 7 configs at
     #: equal budget: root 1.030, both 1.024, chain 1.019 (see the tests' notes).
     window_at = "root"
+    #: prior rate of each chain-form token class (`Goodput`): index (2 * source + continuation) * D + depth
+    class_prior = np.repeat(np.array(_PRIOR[:4]).ravel(), _DEPTHS)
 
     def _init_stats(self, st: _State) -> None:
         pri = list(self._PRIOR)

@@ -258,14 +258,31 @@ def greedy_chain_accepted(d: StateSpaceDrafter, prompt: list[int], answer: list[
     return steps, acc
 
 
+#: drafter confidence (its softmax probability of the token it drafts) -> class bin, for `Goodput`
+CONF_EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
+CONF_PRIOR = (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.7, 0.9)   # a calibrated drafter's rate per bin
+
+
+def confidence_classes(conf: torch.Tensor, first_depth: torch.Tensor | int = 0) -> torch.Tensor:
+    """conf [b, T] -> class [b, T]: bin * DEPTHS + min(depth, DEPTHS - 1), depth = first_depth + column."""
+    from .goodput import DEPTHS
+    bins = torch.bucketize(conf, torch.tensor(CONF_EDGES, dtype=conf.dtype), right=True)
+    depth = (torch.as_tensor(first_depth).reshape(-1, 1) + torch.arange(conf.shape[1])).clamp(max=DEPTHS - 1)
+    return bins * DEPTHS + depth
+
+
 class MambaProposer(Proposer):
     """Chain proposer over a `StateSpaceDrafter` (kind "mamba").
 
     Slot buffers (preallocated, grown by doubling): per layer and slot, k+1 snapshots of the conv
-    window and SSM state, plus the drafter's last hidden per snapshot. snapshot j = state after the
-    request's tokens + its first j drafts. Each step, for all drafting rows at once: gather
-    snapshot[accepted] of each row, feed the bonus token, then draft k tokens by k recurrent steps
-    (static shapes, no host sync inside the loop; the argmax ids stay on the device)."""
+    window and SSM state. snapshot j = state after the request's first `ntok` tokens + its first j
+    drafts. Each step, for all drafting rows at once: the state after all of a row's tokens but
+    the last (snapshot[accepted], or a short catch-up scan, see `_before_last`), then the last
+    token in, then k recurrent drafting steps (static shapes, no host sync inside the loop; ids
+    and confidences stay on the device until one sync after it). Steps without drafts (budget 0)
+    cost nothing: the next drafting step scans the tokens it missed from the last valid snapshot."""
+
+    class_prior = np.repeat(CONF_PRIOR, 4)          # class = confidence bin * DEPTHS + depth
 
     def __init__(self, num_speculative_tokens: int, drafter: StateSpaceDrafter, max_requests: int = 8):
         super().__init__(num_speculative_tokens)
@@ -275,23 +292,22 @@ class MambaProposer(Proposer):
         self.slots: dict[str, int] = {}           # req_id -> slot
         self.ntok: dict[str, int] = {}            # tokens consumed by snapshot 0
         self.free: list[int] = []
-        self.buf = None
+        self.buf: list[tuple[torch.Tensor, torch.Tensor]] = []   # per layer (conv, ssm) [slots, k+1, ...]
         self._grow(max(1, max_requests))
         self.states = self.slots                   # what plugin_state_summary counts
 
+    @property
+    def capacity(self) -> int:
+        return self.buf[0][0].shape[0]
+
     def _grow(self, n: int) -> None:
-        k1 = self.k + 1
-        d, H = self.d, self.d.embed.shape[1]
-        f32 = torch.float32
+        k1, f32 = self.k + 1, torch.float32
+        old = self.capacity if self.buf else 0
         new = [(torch.zeros(n, k1, L.conv_dim, L.K - 1, dtype=f32), torch.zeros(n, k1, L.H, L.P, L.N, dtype=f32))
-               for L in d.layers]
-        new_h = torch.zeros(n, k1, H, dtype=f32)
-        old = 0 if self.buf is None else self.buf[1].shape[0]
-        if self.buf is not None:
-            for (c, s), (oc, os_) in zip(new, self.buf[0]):
-                c[:old], s[:old] = oc, os_
-            new_h[:old] = self.buf[1]
-        self.buf = (new, new_h)
+               for L in self.d.layers]
+        for (c, s), (oc, os_) in zip(new, self.buf):
+            c[:old], s[:old] = oc, os_
+        self.buf = new
         self.free += list(range(n - 1, old - 1, -1))
 
     def release(self, req_id: str) -> None:
@@ -302,70 +318,94 @@ class MambaProposer(Proposer):
 
     def state_nbytes(self, req_id: str) -> int:
         """Bytes one request holds: its slot (fixed size, whatever its context length)."""
-        n = self.buf[1].shape[0]
-        return (sum(c.nbytes + s.nbytes for c, s in self.buf[0]) + self.buf[1].nbytes) // n
+        return sum(c.nbytes + s.nbytes for c, s in self.buf) // self.capacity
 
-    def _prefill(self, req_id: str, tokens: np.ndarray) -> int:
+    def _slot(self, req_id: str) -> int:
         if req_id not in self.slots:
             if not self.free:
-                self._grow(2 * self.buf[1].shape[0])
+                self._grow(2 * self.capacity)
             self.slots[req_id] = self.free.pop()
-        slot = self.slots[req_id]
-        with torch.no_grad():
-            h, st = self.d(torch.from_numpy(np.asarray(tokens, dtype=np.int64))[None])
-        for (c, s), (cs, ss) in zip(self.buf[0], st):
-            c[slot, 0], s[slot, 0] = cs[0], ss[0]
-        self.buf[1][slot, 0] = h[0, -1]
-        self.ntok[req_id] = len(tokens)
-        return slot
+        return self.slots[req_id]
+
+    @torch.no_grad()
+    def _scan(self, req_id: str, tokens: np.ndarray, snap: int | None) -> None:
+        """Snapshot 0 := the state after `tokens`, fed from snapshot `snap` (None: from scratch)."""
+        slot = self._slot(req_id)
+        if len(tokens):
+            ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))[None]
+            init = None if snap is None else [(c[slot, snap][None], s[slot, snap][None]) for c, s in self.buf]
+            _, st = self.d(ids, init)
+            for (c, s), (cs, ss) in zip(self.buf, st):
+                c[slot, 0], s[slot, 0] = cs[0], ss[0]
+        elif snap is None:
+            for c, s in self.buf:
+                c[slot, 0], s[slot, 0] = 0, 0
+        elif snap:
+            for c, s in self.buf:
+                c[slot, 0], s[slot, 0] = c[slot, snap], s[slot, snap]
+
+    def _before_last(self, req) -> int:
+        """Snapshot index, in the request's slot, of the drafter state after all its tokens but
+        the last. Last step's drafts accepted: snapshot[accepted]. Tokens the drafter has not seen
+        (steps without drafts): a scan of just those, from the last valid snapshot. New, resumed
+        after preemption, or out of step: one scan over the whole request."""
+        rid, n, a = req.req_id, len(req.token_ids), req.num_accepted
+        prev = self.ntok.get(rid)
+        if prev is None or a > self.k or prev + a > n - 1:
+            self._scan(rid, req.token_ids[:n - 1], None)
+            return 0
+        if prev + a < n - 1:
+            self._scan(rid, req.token_ids[prev + a:n - 1], a)
+            return 0
+        return a
+
+    def _skip(self, req) -> None:
+        """A step without drafts for this request: keep the state of what was accepted."""
+        prev, a = self.ntok.get(req.req_id), req.num_accepted
+        if prev is None or not a:
+            return
+        if a > self.k or prev + a > len(req.token_ids) - 1:
+            self.release(req.req_id)
+            return
+        self._scan(req.req_id, req.token_ids[:0], a)   # snapshot a -> snapshot 0
+        self.ntok[req.req_id] = prev + a
 
     @torch.no_grad()
     def propose(self, ctx: StepContext) -> list:
         for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
             self.release(rid)
         k = ctx.budget(self.k)
-        rows, slots, snap, bonus = [], [], [], []
-        for i, req in enumerate(ctx.requests):
-            if not req.sampled or k == 0:
-                continue
-            n, a = len(req.token_ids), req.num_accepted
-            prev = self.ntok.get(req.req_id)
-            if prev is None or prev + len(req.sampled) != n or a > self.k:
-                # new, resumed after preemption, or out of step: one parallel scan over all tokens
-                self._prefill(req.req_id, req.token_ids)
-                rows.append(i), slots.append(self.slots[req.req_id]), snap.append(0), bonus.append(-1)
-            else:
-                rows.append(i), slots.append(self.slots[req.req_id]), snap.append(a)
-                bonus.append(int(req.sampled[-1]))
-                self.ntok[req.req_id] = n
         out: list[list[int]] = [[] for _ in ctx.requests]
+        self.classes = [[] for _ in ctx.requests]
+        rows, slots, snap, last = [], [], [], []
+        for i, req in enumerate(ctx.requests):
+            if not req.sampled:
+                continue
+            if k == 0:
+                self._skip(req)
+                continue
+            snap.append(self._before_last(req))
+            rows.append(i), slots.append(self.slots[req.req_id]), last.append(int(req.token_ids[-1]))
+            self.ntok[req.req_id] = len(req.token_ids)
         if not rows:
             return out
         sl, sn = torch.tensor(slots), torch.tensor(snap)
-        layers, hbuf = self.buf
-        st = [(c[sl, sn], s[sl, sn]) for c, s in layers]
-        h = hbuf[sl, sn]
-        b = torch.tensor(bonus)
-        fed = b >= 0                                   # rows that just prefilled already consumed it
-        if bool(fed.any()):
-            h2, st2 = self.d.step(b.clamp(min=0), st)
-            m = fed[:, None]
-            h = torch.where(m, h2, h)
-            st = [(torch.where(m[..., None], c2, c), torch.where(m[..., None, None], s2, s))
-                  for (c, s), (c2, s2) in zip(st, st2)]
-        drafts = []
+        h, st = self.d.step(torch.tensor(last), [(c[sl, sn], s[sl, sn]) for c, s in self.buf])
+        drafts, confs = [], []
         for j in range(k + 1):
-            for (c, s), (cb, sb) in zip(st, layers):
+            for (c, s), (cb, sb) in zip(st, self.buf):
                 cb[sl, j], sb[sl, j] = c, s
-            hbuf[sl, j] = h
             if j == k:
                 break
-            t = self.d.draft_vocab[self.d.logits(h).argmax(-1)]
-            drafts.append(t)
+            p, t = torch.softmax(self.d.logits(h), -1).max(-1)
+            t = self.d.draft_vocab[t]
+            drafts.append(t), confs.append(p)
             h, st = self.d.step(t, st)
-        ids = torch.stack(drafts, 1).tolist()          # the one host sync, after the loop
-        for i, d in zip(rows, ids):
-            out[i] = d
+        ids = torch.stack(drafts, 1)
+        cls = confidence_classes(torch.stack(confs, 1))
+        ids, cls = ids.tolist(), cls.tolist()           # the one host sync, after the loop
+        for i, d, c in zip(rows, ids, cls):
+            out[i], self.classes[i] = d, c
         return out
 
 

@@ -118,7 +118,7 @@ def test_proposer_matches_replay_and_frees_state():
         assert a > 0
     assert len(prop.slots) == 3
     prop.propose(StepContext([], set(prompts), set(), 4))
-    assert not prop.slots and len(prop.free) == prop.buf[1].shape[0]
+    assert not prop.slots and len(prop.free) == prop.capacity
 
 
 def test_proposer_recovers_from_preemption_and_out_of_step_rows():

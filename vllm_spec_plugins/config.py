@@ -38,6 +38,7 @@ METHODS: dict[str, dict[str, Key]] = {
         "tree": Key(False, kind=bool, help="full form: verify pool candidates + Jacobi window as one tree"),
         "tree_nodes": Key(0, 0, 64, int, "tree node budget (0 = num_speculative_tokens)"),
         "backoff": Key(False, kind=bool, help="learn per batch size whether speculating pays (two-arm bandit on measured tokens/s); off-steps draft nothing"),
+        "goodput": Key(False, kind=bool, help="per step, keep only the draft tokens whose learned chance of acceptance pays for their measured verification cost (over the whole batch); a draft model runs only while it pays"),
     },
     "bandit_tree": {
         "num_speculative_tokens": Key(16, 1, 64, int, "draft tokens the scheduler reserves per request (>= node_budget)"),
@@ -63,6 +64,7 @@ METHODS: dict[str, dict[str, Key]] = {
         "model": Key(None, kind=str, help="Mamba drafter folder made by `python -m vllm_spec_plugins.drafters "
                      "--drafter mamba`, or 'vllm_spec_plugins:smollm2-135m-instruct-mamba' (shipped)"),
         "backoff": Key(False, kind=bool, help="learn per batch size whether speculating pays (two-arm bandit on measured tokens/s); off-steps draft nothing"),
+        "goodput": Key(False, kind=bool, help="per step, keep only the draft tokens whose learned chance of acceptance pays for their measured verification cost (over the whole batch); a draft model runs only while it pays"),
     },
     "cascade": {
         "num_speculative_tokens": Key(8, 1, 16, int, "max drafts handed to the target per step"),
@@ -75,6 +77,7 @@ METHODS: dict[str, dict[str, Key]] = {
         "prompt_lookup_min": Key(1, 1, 16, int, "n-gram level: min match length"),
         "prompt_lookup_max": Key(3, 1, 16, int, "n-gram level: max match length"),
         "backoff": Key(False, kind=bool, help="learn per batch size whether speculating pays (two-arm bandit on measured tokens/s); off-steps draft nothing"),
+        "goodput": Key(False, kind=bool, help="per step, keep only the draft tokens whose learned chance of acceptance pays for their measured verification cost (over the whole batch); a draft model runs only while it pays"),
     },
     # Test proposers: drafts from a reference file {prompt ids -> plain greedy output ids}.
     "oracle": {
@@ -185,6 +188,9 @@ def validate(spec: dict) -> dict:
                              f"num_speculative_tokens + 1 = {out['num_speculative_tokens'] + 1}")
         if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
             raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
+    if out.get("backoff") and out.get("goodput"):
+        raise ValueError("speculative_config: backoff and goodput are two ways to decide what to draft; "
+                         "set one of them")
     if method == "bandit_tree":
         _check_bandit(out)
     if method in ("oracle", "adversarial") and out["tree_nodes"] and not out["tree_depth"] <= out["tree_nodes"] <= out["num_speculative_tokens"]:

@@ -1,0 +1,369 @@
+"""Goodput: per step, draft only the tokens that pay for their verification, over the whole batch.
+
+A draft token pays when its chance of being accepted is worth more than the time its
+verification adds. Both are measured, apart:
+
+* cost (`StepCost`): a step's seconds, from the end of one proposal to the start of the next
+  (the engine's scheduling, the target's pass, sampling), fitted online as a + b * T, T = the
+  tokens the target ran (prefill, decode and drafts): discounted least squares, shrunk towards
+  b = mean step / 32 while the tokens have not varied enough to tell. b is the price of one
+  more verified token: ~0.42 ms on a ~15 ms step here (2 CPU cores), near 0 on a GPU's flat part.
+* acceptance (`AcceptModel`): each draft token carries a class from its proposer (where it came
+  from, its depth, the drafter's confidence). The chance that a token is accepted once its
+  parent was is learned per class from the verified drafts: over all requests (decayed counts
+  over the proposer's prior) and per request (shrunk towards the global rate: a code request
+  and a chat request differ). Acceptance does not depend on the batch size and cost does, so
+  what was learned at batch 1 holds at batch 32 at once; a bandit per batch size re-learns both.
+
+Each step the wrapped proposer drafts its full chains; a token's p is the product of its own
+and its ancestors' rates (its chance of acceptance). Over the whole batch, best p first, a token
+is kept while p > b * R, R = tokens the step makes / its predicted seconds with what is kept so
+far: the marginal token must make more than it costs at the step's own rate. On this CPU that
+is p > ~4% at batch 1, ~16% at batch 8 and ~50% at batch 32; on a GPU it keeps everything until
+the cost curve bends. p falls along a chain, so what is kept is a prefix of each chain.
+
+The proposer runs only while drafting pays as a whole: per batch-size bucket, the accepted
+tokens its kept drafts were expected to make, how many were kept, and its own measured seconds
+per step (drafting or not: a draft model's passes, a pool's bookkeeping) are tracked, and the
+rate with drafts (R_on, from the accepted tokens the target reported for the last drafting
+steps, and the jump) is compared with the rate without (R_off).
+While off, a probe lets `probe_rows` requests (in turn) draft after `probe_every` steps, then
+after twice as many each time drafting still loses. The wrapped proposer sees every step (with a
+budget of 0 while off) and catches up on what it skipped when it drafts again.
+
+Every `explore_every`-th step one request (in turn) gets one token past its cut, so classes
+below the current threshold keep being measured.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import replace
+
+import numpy as np
+
+from .bandit import batch_bucket
+from .base import Proposer, StepContext
+
+#: depth index of the generic classes (a proposer without classes of its own): min(depth, DEPTHS) - 1
+DEPTHS = 4
+
+
+class StepCost:
+    """seconds = a + b * T + D * (c0 + c1 * B): T tokens run, D = 1 if the step verified drafts,
+    B rows. The jump D * (c0 + c1 * B) is what any speculation costs a step beyond its tokens
+    (vLLM's rejection sampler and spec-decode metadata: ~0.3 ms at batch 1, ~2 ms at batch 8
+    here). Discounted least squares; b is shrunk towards mean / 32 and the jump towards 0 while
+    the data cannot tell them apart."""
+
+    def __init__(self, discount: float = 0.99, prior_tokens: float = 32.0,
+                 ridge: tuple[float, float, float] = (16.0, 1.0, 16.0)):
+        self.g, self.prior_tokens = discount, prior_tokens
+        self.ridge = np.diag([0.0, *ridge])
+        self.xtx = np.zeros((4, 4))
+        self.xty = np.zeros(4)
+        self.n = 0
+        self.plain_weight = 0.0        # discounted count of steps without drafts
+        self._w: np.ndarray | None = None
+
+    def observe(self, tokens: float, seconds: float, drafts: bool = False, rows: int = 1) -> None:
+        if seconds <= 0:
+            return
+        if self.n >= 16:                       # one stall (GC, another process) must not set the price
+            seconds = min(seconds, 3.0 * self.predict(tokens, drafts, rows))
+        x = np.array([1.0, tokens, float(drafts), float(drafts) * rows])
+        self.xtx = self.xtx * self.g + np.outer(x, x)
+        self.xty = self.xty * self.g + x * seconds
+        self.plain_weight = self.plain_weight * self.g + (not drafts)
+        self.n += 1
+        self._w = None
+
+    def coef(self) -> np.ndarray | None:
+        """[a, b, c0, c1], or None before the first observation."""
+        if self.n == 0:
+            return None
+        if self._w is None:
+            w0 = np.array([0.0, self.xty[0] / self.xtx[0, 0] / self.prior_tokens, 0.0, 0.0])
+            w = np.linalg.solve(self.xtx + self.ridge + 1e-9 * np.eye(4), self.xty + self.ridge @ w0)
+            w[1:] = np.maximum(w[1:], 0.0)
+            self._w = w
+        return self._w
+
+    def fit(self, rows: int = 1) -> tuple[float, float, float] | None:
+        """(a, b, jump at `rows` rows), or None before the first observation."""
+        w = self.coef()
+        if w is None:
+            return None
+        return max(w[0], 0.0), w[1], w[2] + w[3] * rows
+
+    def predict(self, tokens: float, drafts: bool = False, rows: int = 1) -> float:
+        a, b, jump = self.fit(rows) or (0.0, 0.0, 0.0)
+        return a + b * tokens + (jump if drafts else 0.0)
+
+
+class AcceptModel:
+    """P(token accepted | its parent accepted) per token class: global decayed counts over a
+    prior, and per request, counts shrunk towards the global rate."""
+
+    def __init__(self, prior: np.ndarray, prior_weight: float = 4.0, decay: float = 0.999,
+                 request_weight: float = 8.0, request_decay: float = 0.97):
+        self.prior = np.asarray(prior, dtype=np.float64)
+        self.pw, self.decay, self.rw, self.rdecay = prior_weight, decay, request_weight, request_decay
+        self.tries = np.zeros_like(self.prior)
+        self.hits = np.zeros_like(self.prior)
+        self.req: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def global_rate(self) -> np.ndarray:
+        return (self.hits + self.pw * self.prior) / (self.tries + self.pw)
+
+    def optimistic_rate(self) -> np.ndarray:
+        """Global rate + one posterior standard deviation: a class measured little is tried where
+        it could plausibly pay; the bonus vanishes as it is measured."""
+        g = self.global_rate()
+        return np.minimum(g + np.sqrt(g * (1 - g) / (self.tries + self.pw + 1)), 1.0)
+
+    def rates(self, rid: str, glob: np.ndarray | None = None) -> np.ndarray:
+        """Per class for request `rid`: its own counts shrunk towards `glob` (default: the
+        optimistic global rate)."""
+        g = self.optimistic_rate() if glob is None else glob
+        r = self.req.get(rid)
+        if r is None:
+            return g
+        return (r[1] + self.rw * g) / (r[0] + self.rw)
+
+    def observe(self, rid: str, classes: list[int], accepted: int) -> None:
+        """A verified chain: tokens 0..accepted were reached, 0..accepted-1 accepted."""
+        reached = np.asarray(classes[:accepted + 1], dtype=np.int64)
+        if not len(reached):
+            return
+        hit = reached[:accepted]
+        self.tries *= self.decay
+        self.hits *= self.decay
+        np.add.at(self.tries, reached, 1.0)
+        np.add.at(self.hits, hit, 1.0)
+        r = self.req.get(rid)
+        if r is None:
+            r = self.req[rid] = (np.zeros_like(self.prior), np.zeros_like(self.prior))
+        r[0][:] *= self.rdecay
+        r[1][:] *= self.rdecay
+        np.add.at(r[0], reached, 1.0)
+        np.add.at(r[1], hit, 1.0)
+
+    def release(self, rid: str) -> None:
+        self.req.pop(rid, None)
+
+
+def generic_classes(n: int) -> list[int]:
+    """Classes by depth alone, for proposers that give none."""
+    return [min(j, DEPTHS - 1) for j in range(n)]
+
+
+class Goodput(Proposer):
+    """Wraps a chain proposer. The proposer may set `classes` (one list per row, aligned with its
+    drafts) during `propose`, and `class_prior` (rate per class before any evidence)."""
+
+    def __init__(self, inner: Proposer, explore_every: int = 4, probe_every: int = 16, probe_rows: int = 4,
+                 clock=time.perf_counter):
+        super().__init__(inner.k)
+        self.inner, self.explore_every, self.probe_every, self.clock = inner, explore_every, probe_every, clock
+        self.probe_rows = probe_rows
+        self.needs_target_argmax = inner.needs_target_argmax
+        self.needs_hidden_states = inner.needs_hidden_states
+        self.states = inner.states
+        prior = getattr(inner, "class_prior", None)
+        self.accept = AcceptModel(prior if prior is not None else np.full(DEPTHS, 0.3))
+        self.cost = StepCost()
+        self.sent: dict[str, list[int]] = {}     # req id -> classes of the drafts handed out last step
+        self.last_end: float | None = None
+        self.buckets: dict[int, dict] = {}       # batch bucket -> drafter accounting (EMAs)
+        self.steps = 0
+        self.sync = None                         # tensor parallel: rank 0's decisions for every rank
+        # expected: accepted tokens the kept drafts were predicted to make; accepted: what the
+        # target accepted of them (calibration of the acceptance model)
+        self.goodput_stats = {"steps": 0, "drafting_steps": 0, "probes": 0, "drafted": 0, "kept": 0,
+                              "explored": 0, "expected": 0.0, "accepted": 0}
+        #: per step with live requests: (step, batch size, drafted, kept, price b * R of the last
+        #: kept token's threshold); bounded
+        self.history: deque = deque(maxlen=20000)
+        self._threshold, self._last_gain, self._forced, self._blind = 0.0, 0.0, False, False
+        self._pending: tuple | None = None       # (bucket, rows drafted for, drafts kept) of the last drafting step
+
+    def __getattr__(self, name):               # the wrapped proposer's extras (stats, inspect, ...)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def release(self, req_id: str) -> None:
+        self.inner.release(req_id)
+        self.accept.release(req_id)
+        self.sent.pop(req_id, None)
+
+    # ---- drafting on/off ------------------------------------------------------------------
+    def _bucket(self, b: int) -> dict:
+        """Accounting per batch-size bucket: EMAs of the proposer's seconds per row per step with
+        and without a budget, and of the accepted tokens and kept drafts per request. A new bucket
+        starts from the nearest measured one (acceptance does not depend on the batch; seconds
+        are per row), so a large batch is not explored blind."""
+        s = self.buckets.get(b)
+        if s is None:
+            s = {"on_row_s": None, "off_row_s": None, "gain": None, "kept": None, "off_steps": 0,
+                 "probe_gap": self.probe_every}
+            near = min((k for k, v in self.buckets.items() if v["gain"] is not None),
+                       key=lambda k: abs(k.bit_length() - b.bit_length()), default=None)
+            if near is not None:
+                s |= {k: self.buckets[near][k] for k in ("on_row_s", "off_row_s", "gain", "kept")}
+            self.buckets[b] = s
+        return s
+
+    def _mode(self, bucket: dict, n: int) -> str:
+        """"on" while R_on >= R_off under the cost fit, else "off"; while off, a "probe" (a few
+        rows draft) after `probe_gap` steps, doubled by every probe that finds drafting still
+        losing (up to 16x `probe_every`) and reset when it pays."""
+        if bucket["on_row_s"] is None or bucket["gain"] is None:
+            return "on"
+        a, b, jump = self.cost.fit(n) or (0.0, 0.0, 0.0)
+        on = n * (1 + bucket["gain"]) / (a + b * n * (1 + bucket["kept"]) + jump + n * bucket["on_row_s"])
+        off = n / (a + b * n + n * (bucket["off_row_s"] or 0.0))
+        if on >= off:
+            bucket["probe_gap"] = self.probe_every
+            return "on"
+        if bucket["off_steps"] >= bucket["probe_gap"]:
+            bucket["probe_gap"] = min(2 * bucket["probe_gap"], 16 * self.probe_every)
+            return "probe"
+        return "off"
+
+    @staticmethod
+    def _ema(old, new, w=0.1):
+        return new if old is None else (1 - w) * old + w * new
+
+    # ---- one step ----------------------------------------------------------------------------
+    def propose(self, ctx: StepContext) -> list:
+        now = self.clock()
+        for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
+            self.accept.release(rid)
+            self.sent.pop(rid, None)
+        live = [i for i, r in enumerate(ctx.requests) if r.sampled]
+        if self.last_end is not None and ctx.requests:
+            tokens = ctx.num_scheduled_tokens
+            if tokens is None:
+                tokens = sum(1 + len(r.drafts) for r in ctx.requests)
+            self.cost.observe(tokens, now - self.last_end, any(r.drafts for r in ctx.requests), len(ctx.requests))
+        realized = 0
+        for i in live:
+            r = ctx.requests[i]
+            cls = self.sent.pop(r.req_id, None)
+            if cls and r.drafts:
+                a = min(r.num_accepted, len(r.drafts))
+                self.accept.observe(r.req_id, cls[:len(r.drafts)], a)
+                realized += a
+        self.goodput_stats["accepted"] += realized
+        if self._pending is not None:        # what last step's drafting made, per request
+            bucket, rows, kept = self._pending
+            bucket["gain"] = self._ema(bucket["gain"], realized / rows)
+            bucket["kept"] = self._ema(bucket["kept"], kept / rows)
+            self._pending = None
+        budget, n = ctx.budget(self.k), len(live)
+        bucket = self._bucket(batch_bucket(n)) if n else None
+        mode = self._mode(bucket, n) if budget and n else "off"
+        if self.sync is not None:
+            mode = self.sync(mode)
+        rows = list(range(len(ctx.requests)))
+        if mode == "probe":                  # a few rows, in turn: a probe must stay cheap
+            start = (self.steps * self.probe_rows) % n
+            rows = sorted(set((live * 2)[start:start + self.probe_rows]))
+            sub = replace(ctx, requests=[ctx.requests[i] for i in rows])
+        else:
+            sub = ctx
+        t0 = self.clock()
+        drafted = self.inner.propose(replace(sub, num_speculative_tokens=0 if mode == "off" else budget))
+        draft_s = self.clock() - t0
+        cls = getattr(self.inner, "classes", None) or [generic_classes(len(d)) for d in drafted]
+        kept = self._allocate(sub, drafted, cls, n) if mode != "off" else [0] * len(drafted)
+        if self.sync is not None:
+            kept = self.sync(kept)
+        out: list = [[] for _ in ctx.requests]
+        for i, d, c, m in zip(rows, drafted, cls, kept):
+            if hasattr(d, "parents"):           # a DraftTree: not ours to cut
+                out[i] = d
+                continue
+            out[i] = list(d[:m])
+            if m:
+                self.sent[ctx.requests[i].req_id] = list(c[:m])
+        if n:
+            self.history.append((self.steps, n, sum(len(d) for d in drafted) if mode != "off" else 0,
+                                 sum(kept), self._threshold if mode != "off" else None))
+        self.steps += 1
+        st = self.goodput_stats
+        st["steps"] += 1
+        if bucket is not None and budget:
+            if mode == "off":
+                bucket["off_row_s"] = self._ema(bucket["off_row_s"], draft_s / n)
+                bucket["off_steps"] += 1
+            elif not self._forced:      # (the first step, measured blind, informs only the models)
+                m = sum(1 for r in sub.requests if r.sampled)
+                st["drafting_steps"] += 1
+                st["probes"] += mode == "probe"
+                st["drafted"] += sum(len(d) for d in drafted)
+                st["kept"] += sum(kept)
+                st["expected"] += self._last_gain
+                bucket["on_row_s"] = self._ema(bucket["on_row_s"], draft_s / m)
+                bucket["off_steps"] = 0
+                if not self._blind:
+                    self._pending = (bucket, m, sum(kept))
+        self.last_end = self.clock()
+        return out
+
+    def _allocate(self, ctx: StepContext, drafts: list, classes: list, n: int) -> list[int]:
+        """Tokens kept per row of `ctx` (all of a batch of `n` live requests, or a probe's few):
+        best p first, while p > b * R of the whole batch's step; nothing at all when the kept
+        tokens do not cover the step's jump. Sets `_last_gain` (accepted tokens the kept drafts
+        are expected to make), `_threshold` (b * R at the cut) and `_blind` (no cost measured
+        yet: everything kept)."""
+        self._last_gain, self._threshold, self._forced = 0.0, 0.0, False
+        self._blind = self.cost.n == 0
+        keep = [0] * len(drafts)
+        if self.cost.n and self.cost.plain_weight < 0.5:
+            self._forced = True    # a step without drafts now and then: keeps the jump measured
+            return keep
+        glob = self.accept.global_rate()
+        cand = []                                  # (p, depth, row)
+        for i, (req, d, c) in enumerate(zip(ctx.requests, drafts, classes)):
+            if not len(d) or not req.tree_ok or hasattr(d, "parents"):
+                continue
+            q = self.accept.rates(req.req_id, glob)[np.asarray(c[:len(d)], dtype=np.int64)]
+            for j, p in enumerate(np.cumprod(q).tolist()):
+                cand.append((p, j, i))
+        if not cand:
+            return keep
+        a, b, jump = self.cost.fit(n) or (1.0, 0.0, 0.0)    # nothing measured: keep all
+        # p falls along a chain (rates <= 1) and ties go to the shallower token: each row's
+        # tokens come in chain order, so what is kept is a prefix of every chain.
+        cand.sort(key=lambda x: (-x[0], x[1]))
+        made, extra = float(n), 0
+        for p, j, i in cand:
+            if p * (a + b * (n + extra) + jump) <= b * made:     # p <= b * R: this and all after lose
+                break
+            keep[i] += 1
+            made += p
+            extra += 1
+        if (made - n) * (a + b * n) <= n * (b * extra + jump):   # drafting at all does not pay
+            return [0] * len(drafts)
+        self._last_gain = made - n
+        self._threshold = b * made / (a + b * (n + extra) + jump)
+        if self.explore_every and self.steps % self.explore_every == 0:
+            rows = [i for i, d in enumerate(drafts) if keep[i] < len(d) and ctx.requests[i].tree_ok
+                    and not hasattr(d, "parents")]
+            if rows:
+                i = rows[(self.steps // self.explore_every) % len(rows)]
+                keep[i] += 1
+                self.goodput_stats["explored"] += 1
+        return keep
+
+    def goodput_state(self) -> dict:
+        """The cost fit, the learned global rates per class, and the drafter accounting."""
+        w = self.cost.coef()
+        return {"cost_a_b_c0_c1_s": None if w is None else [float(x) for x in w],
+                "rates": [round(x, 4) for x in self.accept.global_rate().tolist()],
+                "tries": [round(x, 1) for x in self.accept.tries.tolist()],
+                "buckets": {str(k): dict(v) for k, v in sorted(self.buckets.items())},
+                **self.goodput_stats}

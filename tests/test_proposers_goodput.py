@@ -1,0 +1,233 @@
+"""Goodput (proposers/goodput.py): per step, keep the draft tokens whose chance of acceptance pays
+for their verification. The toy engine's clock charges a fixed cost per step plus a cost per
+verified position, the way a target pass costs more with more tokens."""
+import numpy as np
+import pytest
+import torch
+
+from vllm_spec_plugins.proposers.base import Proposer, RequestStep, StepContext
+from vllm_spec_plugins.proposers.goodput import AcceptModel, Goodput, StepCost
+from vllm_spec_plugins.proposers.lookahead import LookaheadProposer
+from vllm_spec_plugins.proposers.testing import AdversarialProposer, OracleProposer, ToyEngine, greedy
+
+V = 1024
+
+
+def lcg(a=5, c=3):
+    return lambda t: (a * t[-1] + c) % V
+
+
+class Clock:
+    def __init__(self, target, fixed: float, per_token: float):
+        self.t, self.target, self.fixed, self.per_token = 0.0, target, fixed, per_token
+
+    def __call__(self):
+        return self.t
+
+    def next(self, prefix):
+        self.t += self.per_token
+        return self.target(prefix)
+
+
+def run(make, n_req, max_tokens, fixed, per_token, target=None):
+    """Every request decoded to the end through Goodput(make(refs)); outputs checked against
+    plain greedy. Returns (the Goodput proposer, verify steps per request)."""
+    target = target or lcg()
+    clock = Clock(target, fixed, per_token)
+    prompts = {f"r{i}": [7 + i, 3 * i + 1] for i in range(n_req)}
+    refs = {tuple(p): greedy(target, p, max_tokens + 8) for p in prompts.values()}
+    prop = Goodput(make(refs), clock=clock)
+    eng = ToyEngine(prop, clock.next, vocab_size=V)
+    for rid, p in prompts.items():
+        eng.add(rid, p, max_tokens)
+    while eng.reqs:
+        eng.step()
+        clock.t += fixed
+    eng.flush()
+    for rid, p in prompts.items():
+        assert eng.done[rid].out == refs[tuple(p)][:max_tokens], f"{rid}: output differs"
+    return prop, {rid: eng.done[rid].steps for rid in prompts}
+
+
+def test_step_cost_recovers_a_line_and_ignores_one_stall():
+    rng = np.random.default_rng(0)
+    c = StepCost()
+    for i in range(400):
+        t = int(rng.integers(1, 64))
+        c.observe(t, 0.015 + 0.0004 * t + rng.normal(0, 0.0005))
+    c.observe(10, 5.0)                      # a stall
+    a, b, jump = c.fit()
+    assert a == pytest.approx(0.015, rel=0.1) and b == pytest.approx(0.0004, rel=0.1) and jump < 1e-4
+
+
+def test_step_cost_without_token_variation_leans_on_its_prior():
+    c = StepCost()
+    for _ in range(50):
+        c.observe(8, 0.032)
+    a, b, _ = c.fit()
+    assert b == pytest.approx(0.032 / 32, rel=0.01) and a + 8 * b == pytest.approx(0.032)
+
+
+def test_step_cost_separates_the_speculation_jump():
+    """Steps with drafts pay a jump that grows with the rows (0.2 ms + 0.2 ms per row here)."""
+    rng = np.random.default_rng(1)
+    c = StepCost()
+    for i in range(600):
+        rows = int(rng.integers(1, 33))
+        drafts = bool(rng.random() < 0.8)
+        t = rows + (int(rng.integers(0, 4 * rows)) if drafts else 0)
+        c.observe(t, 0.015 + 0.0004 * t + drafts * (0.0002 + 0.0002 * rows) + rng.normal(0, 0.0003), drafts, rows)
+    a, b, jump8 = c.fit(8)
+    assert b == pytest.approx(0.0004, rel=0.1)
+    assert jump8 == pytest.approx(0.0002 + 0.0016, rel=0.15)
+
+
+def test_accept_model_learns_per_class_and_per_request():
+    m = AcceptModel(np.array([0.5, 0.5]))
+    for i in range(300):       # class 0 always accepted, class 1 never (chains [0, 1])
+        m.observe("r", [0, 1], 1)
+    g = m.global_rate()
+    assert g[0] > 0.95 and g[1] < 0.05
+    for i in range(30):        # another request accepts class 1 every time
+        m.observe("s", [1], 1)
+    assert m.rates("s")[1] > 0.7 > m.rates("r")[1]
+    m.release("s")
+    assert "s" not in m.req
+
+
+def kept_share(prop, skip):
+    h = [x for x in prop.history if x[0] >= skip and x[2]]
+    return sum(x[3] for x in h) / sum(x[2] for x in h)
+
+
+def test_keeps_everything_that_is_always_accepted():
+    """The oracle's drafts are always accepted: at batch 1 and at batch 8 every draft pays once
+    its classes are measured (depth by depth: a class is only reached when its parent is kept)."""
+    for n in (1, 8):
+        prop, steps = run(lambda refs: OracleProposer(4, refs), n, 300, fixed=10.0, per_token=1.0)
+        assert kept_share(prop, 20) > 0.97, prop.goodput_state()
+        assert max(steps.values()) <= 300 / 5 + 12
+
+
+def test_cuts_drafts_that_are_never_accepted():
+    """Never accepted: the first step drafts (nothing is measured yet), then drafting is off but
+    for probes after 16, 32, 64, 128 steps, each of which keeps next to nothing."""
+    prop, steps = run(lambda refs: AdversarialProposer(4, refs, vocab_size=V), 8, 200, fixed=10.0, per_token=1.0)
+    st = prop.goodput_stats
+    assert st["drafting_steps"] <= 6, st
+    assert st["kept"] <= 32 + 8, st
+    assert max(steps.values()) == 200
+
+
+class Mixed(Proposer):
+    """Two reference tokens (class 0) then two more (class 1), the first of which is wrong two
+    steps in three: class 1 is reached 1 + 1/3 times a step and accepted 2/3 times (rate 1/2),
+    and the third token's chance of acceptance is 1/3."""
+    class_prior = np.array([0.5, 0.5])
+
+    def __init__(self, refs):
+        super().__init__(4)
+        self.oracle = OracleProposer(4, refs)
+        self.n = 0
+
+    def propose(self, ctx):
+        out = self.oracle.propose(ctx)
+        self.classes = []
+        for i, d in enumerate(out):
+            self.n += 1
+            if len(d) == 4 and self.n % 3:
+                d[2] = (d[2] + 1) % V
+            out[i] = d
+            self.classes.append([0, 0, 1, 1][:len(d)])
+        return out
+
+
+def test_threshold_follows_the_batch_cost():
+    """Batch 1, a step mostly fixed cost: class-1 tokens (p ~ 1/3) pay and are kept. Batch 16,
+    each token a large share of the step: they are cut, class-0 tokens (p ~ 1) still kept."""
+    prop1, _ = run(Mixed, 1, 300, fixed=20.0, per_token=0.2)
+    prop16, _ = run(Mixed, 16, 300, fixed=4.0, per_token=1.0)
+    r1 = prop1.accept.global_rate()
+    assert r1[0] > 0.9 and 0.4 < r1[1] < 0.6
+    s1, s16 = prop1.goodput_stats, prop16.goodput_stats
+    assert s1["kept"] > 0.9 * s1["drafted"]                       # all four kept at batch 1
+    frac16 = (s16["kept"] - s16["explored"]) / s16["drafted"]
+    assert 0.4 < frac16 < 0.6, s16                                 # the two class-0 tokens of four
+
+
+class Costly(Proposer):
+    """A drafter whose drafting takes `cost` clock seconds and whose drafts are never right."""
+
+    def __init__(self, refs, clock, cost):
+        super().__init__(3)
+        self.adv, self.clock, self.cost = AdversarialProposer(3, refs, vocab_size=V), clock, cost
+
+    def propose(self, ctx):
+        out = self.adv.propose(ctx)
+        if ctx.budget(self.k):
+            self.clock.t += self.cost
+        return out
+
+
+def test_a_costly_drafter_that_does_not_pay_is_switched_off_and_probed():
+    target = lcg()
+    clock = Clock(target, 10.0, 1.0)
+    prompts = {f"r{i}": [7 + i, 3 * i + 1] for i in range(4)}
+    refs = {tuple(p): greedy(target, p, 208) for p in prompts.values()}
+    prop = Goodput(Costly(refs, clock, 5.0), clock=clock)
+    eng = ToyEngine(prop, clock.next, vocab_size=V)
+    for rid, p in prompts.items():
+        eng.add(rid, p, 200)
+    while eng.reqs:
+        eng.step()
+        clock.t += 10.0
+    st = prop.goodput_stats
+    # probes after 16, 32, 64, ... 256 steps off: a handful of drafting steps in ~200
+    assert 3 <= st["drafting_steps"] <= 12 and st["probes"] >= 2, st
+    assert prop.buckets[4]["probe_gap"] > prop.probe_every
+
+
+def test_lookahead_under_goodput_is_exact_and_frees_state():
+    prop, _ = run(lambda refs: LookaheadProposer(4, vocab_size=V), 6, 150, fixed=10.0, per_token=1.0,
+                  target=lambda t: (t[-1] * 7 + (t[-2] if len(t) > 1 else 0)) % 50)
+    assert prop.inner.states == {} and prop.accept.req == {} and prop.sent == {}
+    assert prop.goodput_stats["kept"] > 0
+
+
+def test_lookahead_classes_align_with_drafts():
+    p = LookaheadProposer(6, ngram=3)
+    text = [1, 2, 3, 4, 5, 1, 2, 3]
+    ctx = StepContext([RequestStep("r", np.array(text), [3], [])])
+    out = p.propose(ctx)
+    assert len(p.classes[0]) == len(out[0]) == 6
+    assert max(p.classes[0]) < len(p.class_prior)
+    # "2 3" recurs: prompt lookup with 2 tokens of context (source 0) proposes "4 5 1 2 3 ..."
+    assert p.classes[0][0] == 0 and p.classes[0][1] == (2 * 0 + 1) * 4 + 1
+
+
+def test_mamba_catches_up_after_steps_without_drafts():
+    """Budget-0 steps leave the drafter behind; the next drafting step scans just the missed
+    tokens from the last valid snapshot and drafts what a fresh proposer (one full scan) drafts."""
+    from tests.test_proposers_mamba import drafter
+    from vllm_spec_plugins.proposers.mamba import MambaProposer
+    d = drafter()
+    prop = MambaProposer(3, d)
+    rng = np.random.default_rng(0)
+    toks = list(rng.integers(0, 300, 20))
+    drafts = prop.propose(StepContext([RequestStep("a", np.array(toks), [toks[-1]], [])]))[0]
+    # the target accepts the first draft, then two steps without drafts (one token each)
+    toks += [drafts[0], 17]
+    prop.propose(StepContext([RequestStep("a", np.array(toks), [drafts[0], 17], drafts)], num_speculative_tokens=0))
+    toks += [23]
+    prop.propose(StepContext([RequestStep("a", np.array(toks), [23], [])], num_speculative_tokens=0))
+    toks += [29]
+    got = prop.propose(StepContext([RequestStep("a", np.array(toks), [29], [])]))
+    fresh = MambaProposer(3, d)
+    want = fresh.propose(StepContext([RequestStep("a", np.array(toks), [29], [])]))
+    assert got == want
+    assert prop.classes == fresh.classes
+    assert all(0 <= c < len(MambaProposer.class_prior) for c in prop.classes[0])
+    # and the caught-up states equal the fresh scan's
+    s1, s2 = prop.slots["a"], fresh.slots["a"]
+    for (c1, h1), (c2, h2) in zip(prop.buf, fresh.buf):
+        torch.testing.assert_close(h1[s1], h2[s2], rtol=1e-4, atol=1e-5)

@@ -159,8 +159,10 @@ def generic_classes(n: int) -> list[int]:
 
 
 class Goodput(Proposer):
-    """Wraps a chain proposer. The proposer may set `classes` (one list per row, aligned with its
-    drafts) during `propose`, and `class_prior` (rate per class before any evidence)."""
+    """Wraps a proposer. Chains are cut per token; the proposer may set `classes` (one list per
+    row, aligned with its drafts) during `propose`, and `class_prior` (rate per class before any
+    evidence). Trees (lookahead's full form) are verified whole: goodput only decides, from what
+    they cost and what the target accepted of them, whether to draft at all."""
 
     def __init__(self, inner: Proposer, explore_every: int = 4, probe_every: int = 16, probe_rows: int = 4,
                  clock=time.perf_counter):
@@ -252,10 +254,11 @@ class Goodput(Proposer):
         for i in live:
             r = ctx.requests[i]
             cls = self.sent.pop(r.req_id, None)
-            if cls and r.drafts:
+            if r.drafts:
                 a = min(r.num_accepted, len(r.drafts))
-                self.accept.observe(r.req_id, cls[:len(r.drafts)], a)
                 realized += a
+                if cls:                         # a chain we cut: its classes learn
+                    self.accept.observe(r.req_id, cls[:len(r.drafts)], a)
         self.goodput_stats["accepted"] += realized
         if self._pending is not None:        # what last step's drafting made, per request
             bucket, rows, kept = self._pending
@@ -321,8 +324,9 @@ class Goodput(Proposer):
         yet: everything kept)."""
         self._last_gain, self._threshold, self._forced = 0.0, 0.0, False
         self._blind = self.cost.n == 0
-        keep = [0] * len(drafts)
-        if self.cost.n and self.cost.plain_weight < 0.5:
+        trees = [len(d) if hasattr(d, "parents") else 0 for d in drafts]   # verified whole: not cut here
+        keep = list(trees)
+        if self.cost.n and self.cost.plain_weight < 0.5 and not any(trees):
             self._forced = True    # a step without drafts now and then: keeps the jump measured
             return keep
         glob = self.accept.global_rate()
@@ -346,8 +350,8 @@ class Goodput(Proposer):
             keep[i] += 1
             made += p
             extra += 1
-        if (made - n) * (a + b * n) <= n * (b * extra + jump):   # drafting at all does not pay
-            return [0] * len(drafts)
+        if (made - n) * (a + b * n) <= n * (b * extra + jump):   # drafting chains at all does not pay
+            return trees
         self._last_gain = made - n
         self._threshold = b * made / (a + b * (n + extra) + jump)
         if self.explore_every and self.steps % self.explore_every == 0:

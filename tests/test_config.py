@@ -21,6 +21,7 @@ def test_lookahead_reaches_vllm_config(tiny_model):
     assert params["method"] == "lookahead"
     assert (params["window"], params["ngram"], params["guesses"]) == (4, 3, 5)
     assert params["vocab_size"] == 49152
+    assert params["goodput"] is True          # on by default
 
 
 def test_cli_and_yaml_forms(tiny_model, tmp_path):
@@ -73,6 +74,8 @@ def test_vllm_methods_unchanged(tiny_model):
     ({"method": "lookahead", "num_speculative_tokens": 4, "window": 9}, ["window", "num_speculative_tokens"]),
     ({"method": "lookahead", "num_speculative_tokens": 3, "ngram": 5}, ["ngram", "num_speculative_tokens"]),
     ({"method": "lookahead", "guesses": "many"}, ["guesses", "integer"]),
+    ({"method": "lookahead", "backoff": True}, ["backoff", "goodput", "goodput: false"]),
+    ({"method": "lookahead", "goodput": "yes"}, ["goodput", "true or false"]),
     ({"method": "oracle"}, ["references", "required"]),
     ({"method": "oracle", "references": "/nonexistent/refs.json"}, ["references", "does not exist"]),
     ({"method": "mamba", "model": "/nonexistent/x"}, ["model", "does not exist", "--drafter mamba"]),

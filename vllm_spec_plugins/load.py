@@ -24,13 +24,11 @@ from pathlib import Path
 METHODS = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
-    # as the serving drop-ins in configs/: back-off on (bandit_tree has it built in)
-    "lookahead": {"method": "lookahead", "num_speculative_tokens": 6, "backoff": True},
+    # as the serving drop-ins in configs/ (goodput on: the default)
+    "lookahead": {"method": "lookahead", "num_speculative_tokens": 6},
     "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 16},
-    "mamba": {"method": "mamba", "num_speculative_tokens": 4, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba",
-              "backoff": True},
-    "cascade": {"method": "cascade", "num_speculative_tokens": 8, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba",
-                "backoff": True},
+    "mamba": {"method": "mamba", "num_speculative_tokens": 4, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
+    "cascade": {"method": "cascade", "num_speculative_tokens": 8, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
 }
 JSON_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}, "confidence": {"type": "integer"}},
                "required": ["answer", "confidence"]}
@@ -377,7 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/load.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="target folder (default: the embedded SmolLM2-135M)")
     ap.add_argument("--methods", default="plain,lookahead,bandit_tree,mamba,cascade",
-                    help="comma list from " + ", ".join(METHODS) + " (plain is always run first)")
+                    help="comma list from " + ", ".join(METHODS) + " or --method-config names "
+                         "(plain is always run first)")
+    ap.add_argument("--method-config", action="append", default=[], metavar="NAME=JSON",
+                    help="speculative_config for method NAME (a JSON object)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32, help="client concurrency = --max-num-seqs")
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -391,16 +392,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="out/load")
     a = ap.parse_args(argv)
     model = a.model or str(default_model_dir())
+    methods = dict(METHODS)
+    for item in a.method_config:
+        name, _, js = item.partition("=")
+        if not js:
+            ap.error(f"--method-config {item!r}: expected NAME=JSON")
+        methods[name] = json.loads(js)
     names = ["plain"] + [m for m in a.methods.split(",") if m and m != "plain"]
-    if bad := [m for m in names if m not in METHODS]:
-        ap.error(f"unknown method(s) {bad}; choose from {list(METHODS)}")
+    if bad := [m for m in names if m not in methods]:
+        ap.error(f"unknown method(s) {bad}; choose from {list(methods)} or give --method-config NAME=JSON")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     reqs = workload(model, a.requests, a.max_tokens, a.max_model_len)
     reports = []
     for name in names:
         print(f"== {name}", flush=True)
-        rep = run_method(name, METHODS[name], model, reqs, a, out)
+        rep = run_method(name, methods[name], model, reqs, a, out)
         rep["greedy_mismatches"] = compare(reports[0], rep) if reports else 0
         rep["state_back_to_baseline"] = state_back_to_baseline(rep)
         reports.append(rep)

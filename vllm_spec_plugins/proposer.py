@@ -33,9 +33,6 @@ def target_embeddings(target_dir: str):
 
 def build_proposer(params: dict, max_requests: int = 8) -> Proposer:
     p = dict(params)
-    if p.get("method") in ("lookahead", "mamba", "cascade") and p.pop("backoff", False):
-        from vllm_spec_plugins.proposers.backoff import Backoff
-        return Backoff(build_proposer(p, max_requests))
     if p.get("method") in ("lookahead", "mamba", "cascade") and p.pop("goodput", False):
         from vllm_spec_plugins.proposers.goodput import Goodput
         return Goodput(build_proposer(p, max_requests))
@@ -246,8 +243,6 @@ def plugin_state_summary(worker) -> dict:
            "req_ids": sorted(impl.states)}
     if hasattr(impl, "inspect"):
         out["bandit"] = impl.inspect()
-    if hasattr(impl, "backoff_state"):
-        out["backoff"] = impl.backoff_state()
     if hasattr(impl, "goodput_state"):
         out["goodput"] = impl.goodput_state()
     if getattr(impl, "stats", None):

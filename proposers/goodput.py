@@ -22,17 +22,17 @@ far: the marginal token must make more than it costs at the step's own rate. On 
 is p > ~4% at batch 1, ~16% at batch 8 and ~50% at batch 32; on a GPU it keeps everything until
 the cost curve bends. p falls along a chain, so what is kept is a prefix of each chain.
 
-The proposer runs only while drafting pays as a whole: per batch-size bucket, the accepted
-tokens its kept drafts were expected to make, how many were kept, and its own measured seconds
-per step (drafting or not: a draft model's passes, a pool's bookkeeping) are tracked, and the
-rate with drafts (R_on, from the accepted tokens the target reported for the last drafting
-steps, and the jump) is compared with the rate without (R_off).
-While off, a probe lets `probe_rows` requests (in turn) draft after `probe_every` steps, then
-after twice as many each time drafting still loses. The wrapped proposer sees every step (with a
+A proposer that costs next to nothing (a pool, a lookup: under 2% of a step) runs every step and
+the cut decides. One that costs real time (a draft model) runs only while it pays: per batch-size
+bucket its own seconds per row, the accepted tokens the cut expected per request (scaled by the
+ratio of accepted to expected tokens measured so far) and the drafts kept are tracked, and the
+predicted rate with drafts (R_on, with its own time and the jump) is compared with the rate
+without (R_off). While off, `probe_rows` requests (in turn) draft again once the probe's cost has
+fallen to ~1% of the time since the last one. The wrapped proposer sees every step (with a
 budget of 0 while off) and catches up on what it skipped when it drafts again.
 
-Every `explore_every`-th step one request (in turn) gets one token past its cut, so classes
-below the current threshold keep being measured.
+Every `explore_every`-th step that drafts anyway, one request (in turn) gets one token past its
+cut, so classes below the current threshold keep being measured.
 """
 from __future__ import annotations
 
@@ -165,10 +165,11 @@ class Goodput(Proposer):
     they cost and what the target accepted of them, whether to draft at all."""
 
     def __init__(self, inner: Proposer, explore_every: int = 4, probe_every: int = 16, probe_rows: int = 4,
-                 clock=time.perf_counter):
+                 cheap: float = 0.02, probe_share: float = 0.01, clock=time.perf_counter):
         super().__init__(inner.k)
         self.inner, self.explore_every, self.probe_every, self.clock = inner, explore_every, probe_every, clock
-        self.probe_rows = probe_rows
+        self.probe_rows, self.cheap, self.probe_share = probe_rows, cheap, probe_share
+        self._cal = [0.0, 0.0]                   # discounted (accepted, expected) tokens of drafting steps
         self.needs_target_argmax = inner.needs_target_argmax
         self.needs_hidden_states = inner.needs_hidden_states
         self.states = inner.states
@@ -188,7 +189,7 @@ class Goodput(Proposer):
         #: kept token's threshold); bounded
         self.history: deque = deque(maxlen=20000)
         self._threshold, self._last_gain, self._forced, self._blind = 0.0, 0.0, False, False
-        self._pending: tuple | None = None       # (bucket, rows drafted for, drafts kept) of the last drafting step
+        self._pending: float | None = None       # accepted tokens the last drafting step's cut expected
 
     def __getattr__(self, name):               # the wrapped proposer's extras (stats, inspect, ...)
         if name == "inner":
@@ -203,36 +204,44 @@ class Goodput(Proposer):
     # ---- drafting on/off ------------------------------------------------------------------
     def _bucket(self, b: int) -> dict:
         """Accounting per batch-size bucket: EMAs of the proposer's seconds per row per step with
-        and without a budget, and of the accepted tokens and kept drafts per request. A new bucket
-        starts from the nearest measured one (acceptance does not depend on the batch; seconds
-        are per row), so a large batch is not explored blind."""
+        and without a budget, and, per drafting step, of the accepted tokens the cut expected per
+        request, the drafts it kept per request and whether it kept any. A new bucket starts from
+        the nearest measured one (acceptance does not depend on the batch; seconds are per row)."""
         s = self.buckets.get(b)
         if s is None:
-            s = {"on_row_s": None, "off_row_s": None, "gain": None, "kept": None, "off_steps": 0,
-                 "probe_gap": self.probe_every}
+            s = {"on_row_s": None, "off_row_s": None, "gain": None, "kept": None, "frac": None, "off_steps": 0}
             near = min((k for k, v in self.buckets.items() if v["gain"] is not None),
                        key=lambda k: abs(k.bit_length() - b.bit_length()), default=None)
             if near is not None:
-                s |= {k: self.buckets[near][k] for k in ("on_row_s", "off_row_s", "gain", "kept")}
+                s |= {k: self.buckets[near][k] for k in ("on_row_s", "off_row_s", "gain", "kept", "frac")}
             self.buckets[b] = s
         return s
 
+    def calibration(self) -> float:
+        """Accepted tokens the target reported / tokens the cut expected, over recent drafting steps."""
+        return min(max(self._cal[0] / self._cal[1], 0.2), 2.0) if self._cal[1] > 1.0 else 1.0
+
     def _mode(self, bucket: dict, n: int) -> str:
-        """"on" while R_on >= R_off under the cost fit, else "off"; while off, a "probe" (a few
-        rows draft) after `probe_gap` steps, doubled by every probe that finds drafting still
-        losing (up to 16x `probe_every`) and reset when it pays."""
+        """"on", "off", or "probe" (a few rows draft). A proposer that costs next to nothing
+        (under `cheap` of a step) always runs: the cut already drafts nothing when nothing pays.
+        One that costs real time (a draft model) runs while R_on >= R_off, with the gain the cut
+        expects (scaled by `calibration`); while off it probes when the probes' cost has fallen to
+        `probe_share` of the time since the last (never sooner than `probe_every` steps)."""
         if bucket["on_row_s"] is None or bucket["gain"] is None:
             return "on"
         a, b, jump = self.cost.fit(n) or (0.0, 0.0, 0.0)
-        on = n * (1 + bucket["gain"]) / (a + b * n * (1 + bucket["kept"]) + jump + n * bucket["on_row_s"])
-        off = n / (a + b * n + n * (bucket["off_row_s"] or 0.0))
-        if on >= off:
-            bucket["probe_gap"] = self.probe_every
+        step = a + b * n
+        own = n * max(bucket["on_row_s"] - (bucket["off_row_s"] or 0.0), 0.0)
+        if own <= self.cheap * step:
             return "on"
-        if bucket["off_steps"] >= bucket["probe_gap"]:
-            bucket["probe_gap"] = min(2 * bucket["probe_gap"], 16 * self.probe_every)
-            return "probe"
-        return "off"
+        gain = bucket["gain"] * self.calibration()
+        on = n * (1 + gain) / (step + b * n * bucket["kept"] + jump * bucket["frac"] + n * bucket["on_row_s"])
+        off = n / (step + n * (bucket["off_row_s"] or 0.0))
+        if on >= off:
+            return "on"
+        probe = min(self.probe_rows, n) * bucket["on_row_s"] + jump
+        gap = min(max(probe / (self.probe_share * step) if step > 0 else 0.0, self.probe_every), 16 * self.probe_every)
+        return "probe" if bucket["off_steps"] >= gap else "off"
 
     @staticmethod
     def _ema(old, new, w=0.1):
@@ -260,10 +269,8 @@ class Goodput(Proposer):
                 if cls:                         # a chain we cut: its classes learn
                     self.accept.observe(r.req_id, cls[:len(r.drafts)], a)
         self.goodput_stats["accepted"] += realized
-        if self._pending is not None:        # what last step's drafting made, per request
-            bucket, rows, kept = self._pending
-            bucket["gain"] = self._ema(bucket["gain"], realized / rows)
-            bucket["kept"] = self._ema(bucket["kept"], kept / rows)
+        if self._pending is not None:        # what last step's cut expected, against what it made
+            self._cal = [0.99 * self._cal[0] + realized, 0.99 * self._cal[1] + self._pending]
             self._pending = None
         budget, n = ctx.budget(self.k), len(live)
         bucket = self._bucket(batch_bucket(n)) if n else None
@@ -302,17 +309,21 @@ class Goodput(Proposer):
             if mode == "off":
                 bucket["off_row_s"] = self._ema(bucket["off_row_s"], draft_s / n)
                 bucket["off_steps"] += 1
-            elif not self._forced:      # (the first step, measured blind, informs only the models)
+            elif not self._forced:
                 m = sum(1 for r in sub.requests if r.sampled)
                 st["drafting_steps"] += 1
                 st["probes"] += mode == "probe"
                 st["drafted"] += sum(len(d) for d in drafted)
                 st["kept"] += sum(kept)
                 st["expected"] += self._last_gain
-                bucket["on_row_s"] = self._ema(bucket["on_row_s"], draft_s / m)
+                w = 0.5 if mode == "probe" else 0.1      # a probe speaks for the steps it was off
+                bucket["on_row_s"] = self._ema(bucket["on_row_s"], draft_s / m, w)
                 bucket["off_steps"] = 0
-                if not self._blind:
-                    self._pending = (bucket, m, sum(kept))
+                if not self._blind:                      # the first step keeps all, blind: models only
+                    bucket["gain"] = self._ema(bucket["gain"], self._last_gain / m, w)
+                    bucket["kept"] = self._ema(bucket["kept"], sum(kept) / m, w)
+                    bucket["frac"] = self._ema(bucket["frac"], float(any(kept)), w)
+                    self._pending = self._last_gain
         self.last_end = self.clock()
         return out
 
@@ -354,7 +365,7 @@ class Goodput(Proposer):
             return trees
         self._last_gain = made - n
         self._threshold = b * made / (a + b * (n + extra) + jump)
-        if self.explore_every and self.steps % self.explore_every == 0:
+        if self.explore_every and self.steps % self.explore_every == 0 and extra:   # never pays the jump alone
             rows = [i for i, d in enumerate(drafts) if keep[i] < len(d) and ctx.requests[i].tree_ok
                     and not hasattr(d, "parents")]
             if rows:

@@ -57,7 +57,8 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
     got = res["groups"]["all"]
     for i, (a, b) in enumerate(zip(got["outputs"], plain["outputs"])):
         assert a == b, f"prompt {i}: {method} output differs from plain vLLM"
-    assert got["drafts"] > 0 and got["draft_tokens"] > 0
+    if not (goodput and method == "mamba"):    # goodput may (rightly) keep the Mamba drafter off here
+        assert got["drafts"] > 0 and got["draft_tokens"] > 0
     if method == "oracle":       # every draft accepted: 100% acceptance
         assert got["accepted"] == got["draft_tokens"]
         assert got["tau"] > 3.0

@@ -110,12 +110,12 @@ def test_keeps_everything_that_is_always_accepted():
 
 
 def test_cuts_drafts_that_are_never_accepted():
-    """Never accepted: the first step drafts (nothing is measured yet), then drafting is off but
-    for probes after 16, 32, 64, 128 steps, each of which keeps next to nothing."""
+    """Never accepted, by a proposer that costs nothing: it runs every step and the cut keeps next
+    to nothing (the blind first step and one exploration token every `explore_every` steps)."""
     prop, steps = run(lambda refs: AdversarialProposer(4, refs, vocab_size=V), 8, 200, fixed=10.0, per_token=1.0)
     st = prop.goodput_stats
-    assert st["drafting_steps"] <= 6, st
-    assert st["kept"] <= 32 + 8, st
+    assert st["kept"] - st["explored"] <= 32 + 8, st          # the first step's 8 x 4, then ~nothing
+    assert st["explored"] <= st["drafting_steps"] / prop.explore_every + 1
     assert max(steps.values()) == 200
 
 
@@ -182,9 +182,9 @@ def test_a_costly_drafter_that_does_not_pay_is_switched_off_and_probed():
         eng.step()
         clock.t += 10.0
     st = prop.goodput_stats
-    # probes after 16, 32, 64, ... 256 steps off: a handful of drafting steps in ~200
+    # off, but for probes once their cost (4 rows x 1.25 s) is ~1% of the time since the last:
+    # every ~36 steps of ~14 s, so a handful of drafting steps in ~200
     assert 3 <= st["drafting_steps"] <= 12 and st["probes"] >= 2, st
-    assert prop.buckets[4]["probe_gap"] > prop.probe_every
 
 
 def test_lookahead_under_goodput_is_exact_and_frees_state():

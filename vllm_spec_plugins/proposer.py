@@ -33,10 +33,9 @@ def target_embeddings(target_dir: str):
 
 def build_proposer(params: dict, max_requests: int = 8) -> Proposer:
     p = dict(params)
-    if p.get("method") in ("lookahead", "mamba", "cascade") and p.pop("goodput", False):
-        from vllm_spec_plugins.proposers.goodput import Goodput
+    if p.pop("goodput", False) and p.get("method") in ("lookahead", "mamba", "cascade") and not p.get("tree"):
+        from vllm_spec_plugins.proposers.goodput import Goodput   # chains; lookahead's trees keep tree_nodes
         return Goodput(build_proposer(p, max_requests))
-    p.pop("goodput", None)
     method = p.pop("method")
     k = p.pop("num_speculative_tokens")
     vocab = p.pop("vocab_size", None)

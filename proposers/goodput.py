@@ -4,10 +4,10 @@ A draft token pays when its chance of being accepted is worth more than the time
 verification adds. Both are measured, apart:
 
 * cost (`StepCost`): a step's seconds, from the end of one proposal to the start of the next
-  (the engine's scheduling, the target's pass, sampling), fitted online as a + b * T, T = the
-  tokens the target ran (prefill, decode and drafts): discounted least squares, shrunk towards
-  b = mean step / 32 while the tokens have not varied enough to tell. b is the price of one
-  more verified token: ~0.42 ms on a ~15 ms step here (2 CPU cores), near 0 on a GPU's flat part.
+  (the engine's scheduling, the target's pass, sampling), fitted online as a + b * T + a jump
+  for any step that verifies drafts, T = the tokens the target ran (prefill, decode and drafts).
+  b is the price of one more verified token: ~0.3-0.4 ms on a ~15 ms step here (2 CPU cores),
+  near 0 on a GPU's flat part.
 * acceptance (`AcceptModel`): each draft token carries a class from its proposer (where it came
   from, its depth, the drafter's confidence). The chance that a token is accepted once its
   parent was is learned per class from the verified drafts: over all requests (decayed counts
@@ -52,9 +52,9 @@ DEPTHS = 4
 class StepCost:
     """seconds = a + b * T + D * (c0 + c1 * B): T tokens run, D = 1 if the step verified drafts,
     B rows. The jump D * (c0 + c1 * B) is what any speculation costs a step beyond its tokens
-    (vLLM's rejection sampler and spec-decode metadata: ~0.3 ms at batch 1, ~2 ms at batch 8
-    here). Discounted least squares; b is shrunk towards mean / 32 and the jump towards 0 while
-    the data cannot tell them apart."""
+    (measured on this CPU: ~0.3 ms per row, mostly in the target's pass once requests carry more
+    than one query token). Discounted least squares; b is shrunk towards mean / 32 and the jump
+    towards 0 while the data cannot tell them apart."""
 
     def __init__(self, discount: float = 0.99, prior_tokens: float = 32.0,
                  ridge: tuple[float, float, float] = (16.0, 1.0, 16.0)):
@@ -159,10 +159,9 @@ def generic_classes(n: int) -> list[int]:
 
 
 class Goodput(Proposer):
-    """Wraps a proposer. Chains are cut per token; the proposer may set `classes` (one list per
-    row, aligned with its drafts) during `propose`, and `class_prior` (rate per class before any
-    evidence). Trees (lookahead's full form) are verified whole: goodput only decides, from what
-    they cost and what the target accepted of them, whether to draft at all."""
+    """Wraps a chain proposer; chains are cut per token (a tree would pass through uncut). The
+    proposer may set `classes` (one list per row, aligned with its drafts) during `propose`, and
+    `class_prior` (rate per class before any evidence)."""
 
     def __init__(self, inner: Proposer, explore_every: int = 4, probe_every: int = 16, probe_rows: int = 4,
                  cheap: float = 0.02, probe_share: float = 0.01, clock=time.perf_counter):
@@ -335,9 +334,8 @@ class Goodput(Proposer):
         yet: everything kept)."""
         self._last_gain, self._threshold, self._forced = 0.0, 0.0, False
         self._blind = self.cost.n == 0
-        trees = [len(d) if hasattr(d, "parents") else 0 for d in drafts]   # verified whole: not cut here
-        keep = list(trees)
-        if self.cost.n and self.cost.plain_weight < 0.5 and not any(trees):
+        keep = [0] * len(drafts)
+        if self.cost.n and self.cost.plain_weight < 0.5:
             self._forced = True    # a step without drafts now and then: keeps the jump measured
             return keep
         glob = self.accept.global_rate()
@@ -361,8 +359,8 @@ class Goodput(Proposer):
             keep[i] += 1
             made += p
             extra += 1
-        if (made - n) * (a + b * n) <= n * (b * extra + jump):   # drafting chains at all does not pay
-            return trees
+        if (made - n) * (a + b * n) <= n * (b * extra + jump):   # drafting at all does not pay
+            return [0] * len(drafts)
         self._last_gain = made - n
         self._threshold = b * made / (a + b * (n + extra) + jump)
         if self.explore_every and self.steps % self.explore_every == 0 and extra:   # never pays the jump alone

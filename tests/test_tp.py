@@ -15,7 +15,11 @@ from vllm_spec_plugins.runner import run_isolated
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 SPECS = {
-    "lookahead": {"method": "lookahead", "num_speculative_tokens": 5, "ngram": 3, "guesses": 5},
+    "lookahead": {"method": "lookahead", "num_speculative_tokens": 5, "ngram": 3, "guesses": 5,
+                  "goodput": False},
+    # goodput (on by default) rightly stops drafting on the random tiny model, whose step is
+    # dominated by the speculation jump: the check is that both ranks made the same choices.
+    "lookahead_goodput": {"method": "lookahead", "num_speculative_tokens": 5, "ngram": 3, "guesses": 5},
     "lookahead_tree": {"method": "lookahead", "num_speculative_tokens": 8, "window": 6, "tree": True},
     "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 8, "exploration": 1.0},
 }
@@ -54,13 +58,15 @@ def test_tp2_identical_to_plain(name, base, plain, private_tmp):
     res = run_isolated(tp, env={**TP_ENV, **private_tmp})
     got = res["groups"]["all"]
     assert got["outputs"] == plain["outputs"]
-    assert got["drafts"] > 0
+    if name != "lookahead_goodput":
+        assert got["drafts"] > 0
     workers = res["plugin_state"]
     method = SPECS[name]["method"]
     assert len(workers) == 2 and all(w["method"] == method for w in workers), workers
     if "goodput" in workers[0]:   # rank 0's on/off choices and cuts on both ranks
         stats = [[w["goodput"][k] for k in ("drafting_steps", "probes", "drafted", "kept")] for w in workers]
         assert stats[0] == stats[1], stats
+        assert workers[0]["goodput"]["steps"] > 0
     if method == "bandit_tree":   # the same arms were pulled on both ranks
         pulls = [{k: t["pulls"] for k, t in w["bandit"]["tables"].items()} for w in workers]
         assert pulls[0] == pulls[1] and pulls[0], pulls

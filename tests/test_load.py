@@ -37,3 +37,35 @@ def test_load_mixed_traffic_all_methods(default_model, tmp_path):
             assert r["tau"] and r["tau"] > 1.0, r["method"]
     assert any(r["preemptions"] > 0 for r in reports), "the small KV cache forced no preemption"
     assert (tmp_path / "load.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_killed_load_run_stops_its_server(default_model, tmp_path):
+    """SIGTERM to scripts/load.py while a server is up: the server and its engine processes go too."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "scripts/load.py", "--model", default_model, "--methods", "plain",
+                          "--requests", "200", "--concurrency", "4", "--max-tokens", "64", "--threads", "1",
+                          "--max-model-len", "1024", "--eager", "--out", str(out)],
+                         cwd=os.path.dirname(os.path.dirname(__file__)), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    try:
+        log, deadline = out / "server_plain.log", time.time() + 300
+        while not (log.exists() and "Application startup complete" in log.read_text()):
+            assert p.poll() is None and time.time() < deadline, "the server did not come up"
+            time.sleep(1)
+        family = psutil.Process(p.pid).children(recursive=True)
+        assert family, "no server process under load.py"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=120) != 0
+        gone, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive, [(q.pid, q.name()) for q in alive]
+    finally:
+        if p.poll() is None:
+            p.kill()

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -405,12 +406,19 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     reqs = workload(model, a.requests, a.max_tokens, a.max_model_len)
     reports = []
-    for name in names:
-        print(f"== {name}", flush=True)
-        rep = run_method(name, methods[name], model, reqs, a, out)
-        rep["greedy_mismatches"] = compare(reports[0], rep) if reports else 0
-        rep["state_back_to_baseline"] = state_back_to_baseline(rep)
-        reports.append(rep)
+    # SIGTERM (a killed run) unwinds through the servers' `with`, which stops them: no orphan server.
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, lambda sig, _: sys.exit(128 + sig)) if main_thread else None
+    try:
+        for name in names:
+            print(f"== {name}", flush=True)
+            rep = run_method(name, methods[name], model, reqs, a, out)
+            rep["greedy_mismatches"] = compare(reports[0], rep) if reports else 0
+            rep["state_back_to_baseline"] = state_back_to_baseline(rep)
+            reports.append(rep)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old)
     print("\n" + table(reports))
     summary = {"args": vars(a), "reports": reports}
     (out / "load.json").write_text(json.dumps(summary, indent=1))

@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             rep["state_back_to_baseline"] = state_back_to_baseline(rep)
             reports.append(rep)
     finally:
-        if main_thread:
+        if old is not None:    # None: the previous handler was not set from Python (nothing to put back)
             signal.signal(signal.SIGTERM, old)
     print("\n" + table(reports))
     summary = {"args": vars(a), "reports": reports}

@@ -8,19 +8,28 @@ at most `widths[d]` nodes at depth d+1 (`LookaheadProposer._propose_tree`). The 
 trees within the node budget.
 
 The bandit is discounted UCB (Garivier & Moulines 2011) over that family, one table per
-context = (traffic key, batch-size bucket). Reward of a step = tokens the step produced per
-request that used the arm (accepted drafts + 1), over the step's measured wall time (drafting +
-the target's verify pass + everything else between two proposals; steps that also ran prefill
-work are skipped); an arm's value is the ratio of the discounted sums: tokens per second per
-request slot, which is what a user pays for. Why UCB, discounted:
-* the reward is a ratio of a small count and a noisy time, with no convenient conjugate model
-  for Thompson sampling, while UCB only needs a scale (the best arm's mean here);
+context = (traffic key, batch-size bucket). An arm's value is tokens per second per request
+slot, what a user pays for: the tokens a step makes per request with that shape (accepted drafts
++ 1, observed) over the seconds of a step with that shape at the current batch size. The
+seconds are priced by a cost model fitted online to every step's measured time (`StepCost`,
+shared with `goodput`: a + b * tokens run + a jump for any step that verifies drafts, growing
+with the batch; the time between two proposals, drafting included), times the arm's own mean
+ratio of measured to predicted seconds (what the linear model misses: a tree step's mask, a
+wide tree's drafting). Why not each arm's mean raw step time: under continuous traffic every
+step also runs prefill work whose size has nothing to do with the arm, and at batch 32 that
+noise swamped the drafts' own cost (raw per-arm means kept choosing chains that lost 4-17% to
+plain in the load runs); the fit explains the prefill tokens, every step informs it, and an
+arm is priced at any batch size. Why UCB, discounted:
+* tokens per step are a small noisy count with no convenient conjugate model for the ratio
+  Thompson sampling would need, while UCB only needs a scale (the best arm's value here);
 * the best shape drifts with the text (a code block, then prose) and across requests; a
   discount (effective memory 1/(1-discount) steps) forgets, and the bonus of a forgotten arm
   grows back, so it is re-tried;
-* deterministic given the rewards, cheap (a loop over ~10 arms per step), no host sync.
-The batch size is part of the context because the cost of a draft token grows with the batch
-(at batch 32 the "no speculation" arm usually wins: that is the back-off).
+* deterministic given the observations, cheap (a loop over ~10 arms per step), no host sync.
+The batch size is context twice: in the price (the cost of a draft token grows with the batch:
+at batch 32 on a CPU "no speculation" wins, that is the back-off) and in the table (a new batch
+bucket starts from the token counts and cost ratios of the nearest one: acceptance does not
+depend on the batch, the ratios little).
 """
 from __future__ import annotations
 
@@ -30,26 +39,10 @@ import time
 from collections import deque
 
 from .base import RequestStep, StepContext
+from .cost import StepCost, batch_bucket
 from .lookahead import LookaheadProposer
 
 logger = logging.getLogger("vllm_spec_plugins")
-
-#: Steps that also ran prefill work are not rewarded (their time is mostly the prompts), unless
-#: this many in a row did: traffic that keeps prefilling, where prefill is part of every arm's cost.
-STEADY_PREFILL = 8
-
-
-class PrefillGate:
-    """Whether a step's measured time may reward an arm, given whether it ran prefill work:
-    yes without prefill, and with it once `STEADY_PREFILL` steps in a row had prefill."""
-
-    def __init__(self):
-        self.run = 0                     # steps in a row that ran prefill work
-
-    def rewards(self, prefill: bool) -> bool:
-        self.run = self.run + 1 if prefill else 0
-        return not 0 < self.run <= STEADY_PREFILL
-
 
 def shape_family(max_depth: int, max_width: int, node_budget: int, backoff: bool = True) -> list[tuple]:
     """No speculation (if `backoff`), chains of depth 1, 2, 4, ... max_depth, and for each depth
@@ -74,67 +67,73 @@ def shape_name(s: tuple) -> str:
 
 
 class DiscountedUCB:
-    """Arms 0..n-1. An arm's value is its rate: mean tokens per step / mean seconds per step, each
-    mean a discounted one (a ratio of means: one slow hiccup does not sink an arm the way it
-    sinks a mean of per-step ratios). Tokens and seconds are observed separately, because tokens
-    are also known for arms that were not pulled: a shape whose tree is a subset of the verified
-    one would have accepted exactly the verified accepted nodes inside it (`step(tokens=...)`),
-    and "no speculation" always makes 1. Seconds are only measured for the pulled arm, and its
-    first `warmup` measurements are dropped: the first steps of a new token count pay one-off
-    kernel set-up (oneDNN here, CUDA graphs / autotuning on GPUs).
+    """Arms 0..n-1. An arm's rate is its mean tokens per request per step over its price: the cost
+    model's prediction for a step with it times the arm's own mean ratio of measured to predicted
+    seconds over its pulls (what the linear model misses, e.g. a tree step's mask). Tokens,
+    discounted, are also known for arms that were not pulled: a shape whose tree is a subset of
+    the verified one would have accepted exactly the verified accepted nodes inside it
+    (`step(tokens=...)`), and "no speculation" always makes 1. Ratios are only measured for
+    the pulled arm, and its first `warmup` pulls are not: the first steps of a new token count
+    pay one-off kernel set-up (oneDNN here, CUDA graphs / autotuning on GPUs).
 
-    choose(allowed): an arm without a time or token measurement first, then
-    argmax rate + c * best_rate * sqrt(2 ln N / n_a), n_a = min(token obs., 4 x time obs.):
-    per-step time is a few times less noisy than per-step tokens."""
+    choose(price, allowed): an arm without a token or ratio measurement first, then
+    argmax rate + c * best_rate * sqrt(2 ln N / n_a), n_a = min(token obs., 4 x ratio obs.):
+    a step's time is a few times less noisy than its tokens."""
 
     def __init__(self, n_arms: int, exploration: float, discount: float, warmup: int = 1):
         self.c, self.g, self.warmup = exploration, discount, warmup
         self.ntok = [0.0] * n_arms
         self.tok = [0.0] * n_arms
-        self.nsec = [0.0] * n_arms
-        self.sec = [0.0] * n_arms
+        self.nres = [0.0] * n_arms
+        self.res = [0.0] * n_arms
         self.pulls = [0] * n_arms
 
-    def rate(self, a: int) -> float | None:
-        if self.ntok[a] < 1e-9 or self.nsec[a] < 1e-9 or self.sec[a] <= 0:
-            return None
-        return (self.tok[a] / self.ntok[a]) / (self.sec[a] / self.nsec[a])
+    def tokens(self, a: int) -> float | None:
+        return self.tok[a] / self.ntok[a] if self.ntok[a] > 1e-9 else None
 
-    def choose(self, allowed: list[int] | None = None) -> int:
+    def rate(self, a: int, price: list[float]) -> float | None:
+        if self.ntok[a] < 1e-9 or self.nres[a] < 1e-9:
+            return None
+        return self.tok[a] / self.ntok[a] / max(price[a] * self.res[a] / self.nres[a], 1e-9)
+
+    def choose(self, price: list[float], allowed: list[int] | None = None) -> int:
         arms = range(len(self.ntok)) if allowed is None else allowed
         for a in arms:
-            if self.nsec[a] < 1e-3 or self.ntok[a] < 1e-3:
+            if self.nres[a] < 1e-3 or self.ntok[a] < 1e-3:
                 return a
-        rates = {a: self.rate(a) or 0.0 for a in arms}
+        rates = {a: self.rate(a, price) or 0.0 for a in arms}
         scale = max(rates.values()) or 1.0
-        n = {a: min(self.ntok[a], 4 * self.nsec[a]) for a in arms}
-        log_n = math.log(max(sum(self.nsec[a] for a in arms), 1.0))
+        n = {a: min(self.ntok[a], 4 * self.nres[a]) for a in arms}
+        log_n = math.log(max(sum(self.nres[a] for a in arms), 1.0))
         return max(arms, key=lambda a: rates[a] + self.c * scale * math.sqrt(2 * log_n / n[a]))
 
-    def step(self, arm: int, seconds: float, tokens: dict[int, float]) -> None:
-        """One step: `arm` was pulled and took `seconds`; `tokens` {arm: tokens per request}
-        for the pulled arm and every arm whose outcome is known."""
+    def step(self, arm: int, tokens: dict[int, float], ratio: float | None = None) -> bool:
+        """One step: `arm` was pulled, its step took `ratio` times the seconds the cost model
+        predicted; `tokens` {arm: tokens per request} for the pulled arm and every arm whose
+        outcome is known. Returns whether the step's time counts (past the arm's warmup)."""
         g = self.g
         self.ntok = [x * g for x in self.ntok]
         self.tok = [x * g for x in self.tok]
-        self.nsec = [x * g for x in self.nsec]
-        self.sec = [x * g for x in self.sec]
+        self.nres = [x * g for x in self.nres]
+        self.res = [x * g for x in self.res]
         for a, t in tokens.items():
             self.ntok[a] += 1.0
             self.tok[a] += t
         self.pulls[arm] += 1
-        if self.pulls[arm] > self.warmup:
-            self.nsec[arm] += 1.0
-            self.sec[arm] += seconds
+        timed = self.pulls[arm] > self.warmup
+        if timed and ratio is not None:
+            self.nres[arm] += 1.0
+            self.res[arm] += ratio
+        return timed
 
-    def means(self) -> list[float | None]:
-        """Rate of each arm (tokens per second per request), None while unmeasured."""
-        return [self.rate(a) for a in range(len(self.ntok))]
-
-
-def batch_bucket(b: int) -> int:
-    """1, 2, 4, 8, ...: the largest power of two <= b."""
-    return 1 << (max(b, 1).bit_length() - 1)
+    def seed(self, other: "DiscountedUCB", weight: float = 8.0) -> None:
+        """Start from `other`'s token and ratio means, each worth at most `weight` observations."""
+        for n_, v_, mine_n, mine_v in ((other.ntok, other.tok, self.ntok, self.tok),
+                                       (other.nres, other.res, self.nres, self.res)):
+            for a, n in enumerate(n_):
+                if n > 1e-9:
+                    w = min(n, weight)
+                    mine_n[a], mine_v[a] = w, v_[a] / n * w
 
 
 class BanditTreeProposer(LookaheadProposer):
@@ -180,7 +179,8 @@ class BanditTreeProposer(LookaheadProposer):
         self.tables: dict[tuple, DiscountedUCB] = {}
         self.pending: dict[tuple, tuple[int, list[str]]] = {}   # context -> (arm, request ids) of last step
         self.last_start: float | None = None
-        self.gate = PrefillGate()
+        self.cost = StepCost()               # seconds of a step, from the time between proposals
+        self.nodes = [float(sum(sh)) for sh in self.shapes]   # nodes an arm drafts per request (EMA)
         self.steps = 0
         self.draft_seconds = 0.0
         self.history: deque = deque(maxlen=history)   # (step, key, bucket, arm, reward)
@@ -224,7 +224,26 @@ class BanditTreeProposer(LookaheadProposer):
         t = self.tables.get(ctx)
         if t is None:
             t = self.tables[ctx] = DiscountedUCB(len(self.shapes), self.exploration, self.discount)
+            near = min((c for c in self.tables if c[0] == ctx[0] and c != ctx),
+                       key=lambda c: abs(c[1].bit_length() - ctx[1].bit_length()), default=None)
+            if near is not None:
+                t.seed(self.tables[near])
         return t
+
+    def price(self, n: int) -> list[float]:
+        """Predicted seconds of a step of `n` decoding requests with each arm (1.0 for all before
+        any step was measured)."""
+        fit = self.cost.fit(max(n, 1))
+        if fit is None:
+            return [1.0] * len(self.shapes)
+        a, b, jump = fit
+        return [a + b * n * (1 + self.nodes[i]) + (jump if sh else 0.0) for i, sh in enumerate(self.shapes)]
+
+    def rates(self, ctx: tuple) -> list[float | None]:
+        """Tokens per second per request of each arm in context `ctx` at its bucket's batch size
+        (None while its tokens are unmeasured)."""
+        t, price = self.tables[ctx], self.price(ctx[1])
+        return [t.rate(a, price) for a in range(len(self.shapes))]
 
     # ---- one step ----------------------------------------------------------------------------
     def propose(self, ctx: StepContext) -> list:
@@ -232,20 +251,30 @@ class BanditTreeProposer(LookaheadProposer):
         for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
             self.release(rid)
         live = [r for r in ctx.requests if r.sampled]
-        # A step that also ran prefill work (a prompt chunk, or a prompt finished this step) says
-        # little about the drafts: its time is mostly the prompt. Such steps teach nothing.
-        # Unless every step does (continuous traffic): then prefill is part of every arm's cost.
-        prefill = any(not r.sampled or r.req_id not in self.states for r in ctx.requests)
-        if self.gate.rewards(prefill) and self.last_start is not None and self.pending:
-            self._reward(live, now - self.last_start)
+        if self.last_start is not None and ctx.requests:
+            tokens = ctx.num_scheduled_tokens
+            if tokens is None:
+                tokens = sum(1 + len(r.drafts) for r in ctx.requests)
+            seconds, drafts = now - self.last_start, any(r.drafts for r in ctx.requests)
+            # measured / predicted, within [1/3, 3]: one stall must not sink an arm
+            ratio = (min(max(seconds / max(self.cost.predict(tokens, drafts, len(ctx.requests)), 1e-9), 1 / 3), 3.0)
+                     if self.cost.n else None)
+            if not self.pending or self._reward(live, seconds, ratio):
+                self.cost.observe(tokens, seconds, drafts, len(ctx.requests))
         self.pending, self.subsets = {}, {}
         bucket = batch_bucket(len(live))
         keys = sorted({self.key_of(r) for r in live})
-        arms = {kk: self.table((kk, bucket)).choose(self.allowed(bucket)) for kk in keys}
+        price = self.price(len(live))
+        # a step without drafts now and then keeps the cost fit's jump measured
+        plain = self.none_arm is not None and self.cost.n > 0 and self.cost.plain_weight < 0.5
+        arms = {kk: self.table((kk, bucket)).choose(price, self.allowed(bucket)) for kk in keys}
+        if plain and all(self.table((kk, bucket)).nres[self.none_arm] > 0 for kk in keys):
+            arms = dict.fromkeys(keys, self.none_arm)
         if self.sync is not None:
             arms = self.sync(arms)
         k = ctx.budget(self.k)
         out: list = []
+        drafted: dict[int, list[int]] = {}
         for req in ctx.requests:
             st = self.states.get(req.req_id)
             if st is None:
@@ -267,9 +296,12 @@ class BanditTreeProposer(LookaheadProposer):
             subs: dict[int, frozenset] = {}
             also = {a: self.shapes[a] for a in self.allowed(bucket) if a != arm and self.shapes[a]}
             tree = self._propose_tree(st, req, k, list(shape), also, subs)
+            drafted.setdefault(arm, []).append(len(tree))
             if len(tree):
                 self.subsets[req.req_id] = (len(tree), tree.is_chain, subs)
             out.append(tree)
+        for arm, v in drafted.items():
+            self.nodes[arm] = 0.9 * self.nodes[arm] + 0.1 * sum(v) / len(v)
         self.steps += 1
         self.last_start = now
         self.draft_seconds += self.clock() - now
@@ -277,9 +309,13 @@ class BanditTreeProposer(LookaheadProposer):
             logger.info("vllm-spec-plugins bandit_tree: %s", self.describe())
         return out
 
-    def _reward(self, live: list[RequestStep], seconds: float) -> None:
-        if seconds <= 0:
-            return
+    def _reward(self, live: list[RequestStep], seconds: float, ratio: float | None) -> bool:
+        """Tokens per request of last step's arms (and of the arms whose outcome is known), and
+        the step's measured / predicted seconds for its arm when one arm ran it; the history keeps the pulled arm's
+        measured reward, tokens per request / the step's seconds. Returns whether the step's time
+        counts (no arm of it was in its warmup)."""
+        single = len({arm for arm, _ in self.pending.values()}) == 1
+        timed = True
         by_id = {r.req_id: r for r in live}
         for (kk, bucket), (arm, rids) in self.pending.items():
             got: dict[int, list[float]] = {}
@@ -294,8 +330,9 @@ class BanditTreeProposer(LookaheadProposer):
                 continue
             n = len(got[arm])   # side observations only where known for every request
             tokens = {a: sum(v) / len(v) for a, v in got.items() if len(v) == n}
-            self.table((kk, bucket)).step(arm, seconds, tokens)
-            self.history.append((self.steps, kk, bucket, arm, tokens[arm] / seconds))
+            timed &= self.table((kk, bucket)).step(arm, tokens, ratio if single else None)
+            self.history.append((self.steps, kk, bucket, arm, tokens[arm] / max(seconds, 1e-9)))
+        return timed
 
     def _counterfactual(self, r: RequestStep) -> dict[int, int]:
         """Tokens other arms would have made for request `r` last step: "no speculation" 1; a
@@ -318,7 +355,7 @@ class BanditTreeProposer(LookaheadProposer):
     def describe(self) -> str:
         parts = []
         for (kk, bucket), t in sorted(self.tables.items(), key=lambda x: (str(x[0][0]), x[0][1])):
-            means = t.means()
+            means = self.rates((kk, bucket))
             best = max((a for a in range(len(means)) if means[a] is not None),
                        key=lambda a: means[a], default=None)
             arms = ", ".join(f"{shape_name(self.shapes[a])}:{t.pulls[a]}x"
@@ -332,6 +369,7 @@ class BanditTreeProposer(LookaheadProposer):
         """Bandit state for metrics, logs and the benchmark's plots."""
         return {"shapes": [list(s) for s in self.shapes], "steps": self.steps,
                 "draft_seconds": self.draft_seconds,
-                "tables": {f"{kk}|{bucket}": {"pulls": t.pulls, "mean_reward": t.means()}
+                "cost_a_b_c0_c1_s": None if self.cost.coef() is None else [float(x) for x in self.cost.coef()],
+                "tables": {f"{kk}|{bucket}": {"pulls": t.pulls, "mean_reward": self.rates((kk, bucket))}
                            for (kk, bucket), t in self.tables.items()},
                 "history": [list(h) for h in self.history]}

@@ -33,15 +33,23 @@ def test_ucb_finds_best_arm_and_tracks_drift():
     rng = random.Random(0)
     b = DiscountedUCB(4, exploration=0.2, discount=0.99)
 
-    def play(mu, steps=1500):
+    def play(mu, steps=1500, price=(1.0,) * 4, ratio=(1.0,) * 4):
         picks = []
         for _ in range(steps):
-            a = b.choose()
+            a = b.choose(list(price))
             picks.append(a)
-            b.step(a, 1.0, {a: max(rng.gauss(mu[a], 0.5), 0.0)})
+            b.step(a, {a: max(rng.gauss(mu[a], 0.5), 0.0)}, ratio[a])
         return picks
     assert play([1.0, 2.0, 1.5, 0.5])[500:].count(1) / 1000 > 0.8
     assert play([1.0, 0.5, 1.5, 3.0])[700:].count(3) / 800 > 0.8    # the world changes: arm 3 is best
+    # arm 3 makes 3x the tokens of arm 0 at 4x its price: the model's, or the model's times a
+    # measured ratio (what the cost model misses)
+    assert play([1.0, 0.5, 0.8, 3.0], price=(1.0, 1.0, 1.0, 4.0))[500:].count(0) / 1000 > 0.8
+    assert play([1.0, 0.5, 0.8, 3.0], ratio=(1.0, 1.0, 1.0, 4.0))[500:].count(0) / 1000 > 0.8
+    b2 = DiscountedUCB(4, exploration=0.2, discount=0.99)
+    b2.seed(b)
+    assert b2.tokens(3) == pytest.approx(b.tokens(3)) and b2.ntok[3] == min(b.ntok[3], 8.0) and b2.pulls == [0] * 4
+    assert b2.nres[3] == min(b.nres[3], 8.0) and b2.rate(3, [1.0] * 4) == pytest.approx(b.rate(3, [1.0] * 4))
 
 
 def test_shaped_tree_respects_widths_and_is_lossless():
@@ -183,19 +191,20 @@ def test_side_observations_are_exact_for_sub_shapes():
     clock = CostClock(1.0, 0.01)
     p = BanditTreeProposer(8, shapes=[[], [1], [1, 1, 1, 1]], clock=clock, vocab_size=50)
     table = p.table(("global", 1))
-    table.choose = lambda allowed=None: 2           # always pull the depth-4 chain
+    table.choose = lambda price, allowed=None: 2    # always pull the depth-4 chain
     eng = ToyEngine(p, f, vocab_size=50)
     eng.add("r", prompt, 300)
     while eng.reqs:
         clock.charge(eng.step())
     acc = eng.done["r"].accepted
-    assert table.pulls[:2] == [0, 0] and table.pulls[2] > 50
-    assert table.ntok[0] > 0 and table.ntok[1] > 0 and table.nsec[1] == 0   # tokens seen, never timed
+    assert table.pulls[1] == 0 and table.pulls[2] > 50
+    assert table.pulls[0] <= table.pulls[2] / 20    # only the plain steps that keep the cost's jump measured
+    assert table.ntok[0] > 0 and table.ntok[1] > 0                  # tokens seen, never pulled
     # discount 1: the side observations' means are exact counts from the verified chains
     p2 = BanditTreeProposer(8, shapes=[[], [1], [1, 1, 1, 1]], clock=CostClock(1.0, 0.01), discount=1.0,
                             vocab_size=50)
     t2 = p2.table(("global", 1))
-    t2.choose = lambda allowed=None: 2
+    t2.choose = lambda price, allowed=None: 2
     eng = ToyEngine(p2, f, vocab_size=50)
     eng.add("r", prompt, 300)
     while eng.reqs:
@@ -207,9 +216,9 @@ def test_side_observations_are_exact_for_sub_shapes():
 
 
 def test_bandit_learns_under_continuous_traffic():
-    """A new request every step (every step runs prefill work): the bandit still learns (such
-    steps are rewarded once they are the steady state) and backs off where drafts cost three
-    plain steps, instead of exploring forever."""
+    """A new request every step (every step runs prefill work): the bandit still learns (the cost
+    fit counts the prefill tokens) and backs off where drafts cost three plain steps, instead of
+    exploring forever."""
     f = pair_table_target(50, 5, 0.05, branching=3)
     clock = CostClock(1.0, 3.0)
     p = BanditTreeProposer(16, clock=clock, vocab_size=50)

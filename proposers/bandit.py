@@ -236,7 +236,7 @@ class BanditTreeProposer(LookaheadProposer):
         fit = self.cost.fit(max(n, 1))
         if fit is None:
             return [1.0] * len(self.shapes)
-        a, b, jump = fit
+        a, b, jump = map(float, fit)       # plain floats: the state goes over msgpack
         return [a + b * n * (1 + self.nodes[i]) + (jump if sh else 0.0) for i, sh in enumerate(self.shapes)]
 
     def rates(self, ctx: tuple) -> list[float | None]:
@@ -257,7 +257,7 @@ class BanditTreeProposer(LookaheadProposer):
                 tokens = sum(1 + len(r.drafts) for r in ctx.requests)
             seconds, drafts = now - self.last_start, any(r.drafts for r in ctx.requests)
             # measured / predicted, within [1/3, 3]: one stall must not sink an arm
-            ratio = (min(max(seconds / max(self.cost.predict(tokens, drafts, len(ctx.requests)), 1e-9), 1 / 3), 3.0)
+            ratio = (float(min(max(seconds / max(self.cost.predict(tokens, drafts, len(ctx.requests)), 1e-9), 1 / 3), 3.0))
                      if self.cost.n else None)
             if not self.pending or self._reward(live, seconds, ratio):
                 self.cost.observe(tokens, seconds, drafts, len(ctx.requests))

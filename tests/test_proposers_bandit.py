@@ -140,6 +140,12 @@ def test_bandit_speculates_when_cheap_and_backs_off_when_costly():
     run_bandit(BanditTreeProposer(16, shapes=[[]], clock=none_clock, vocab_size=50), none_clock, f, prompts, 1200)
     assert clock.t <= 1.08 * none_clock.t, (clock.t, none_clock.t)   # exploration included
     assert "none" in p.describe() and p.inspect()["tables"]
+
+    def plain(x):     # the state crosses processes (vLLM's msgpack): no numpy scalars
+        return (x is None or type(x) in (int, float, str, bool)
+                or (type(x) in (list, tuple) and all(map(plain, x)))
+                or (type(x) is dict and all(map(plain, x.values()))))
+    assert plain(p.inspect()), p.inspect()
     # at batch 32 only shapes within batch_node_budget / 32 = 2 nodes are ever tried
     assert [p.shapes[a] for a in p.allowed(32)] == [(), (1,), (1, 1)]
 

@@ -236,7 +236,7 @@ class BanditTreeProposer(LookaheadProposer):
         fit = self.cost.fit(max(n, 1))
         if fit is None:
             return [1.0] * len(self.shapes)
-        a, b, jump = map(float, fit)       # plain floats: the state goes over msgpack
+        a, b, jump = fit
         return [a + b * n * (1 + self.nodes[i]) + (jump if sh else 0.0) for i, sh in enumerate(self.shapes)]
 
     def rates(self, ctx: tuple) -> list[float | None]:
@@ -252,15 +252,13 @@ class BanditTreeProposer(LookaheadProposer):
             self.release(rid)
         live = [r for r in ctx.requests if r.sampled]
         if self.last_start is not None and ctx.requests:
-            tokens = ctx.num_scheduled_tokens
-            if tokens is None:
-                tokens = sum(1 + len(r.drafts) for r in ctx.requests)
+            tokens, rows = ctx.tokens_run(), len(ctx.requests)
             seconds, drafts = now - self.last_start, any(r.drafts for r in ctx.requests)
-            # measured / predicted, within [1/3, 3]: one stall must not sink an arm
-            ratio = (float(min(max(seconds / max(self.cost.predict(tokens, drafts, len(ctx.requests)), 1e-9), 1 / 3), 3.0))
-                     if self.cost.n else None)
+            ratio = None           # measured / predicted, within [1/3, 3]: one stall must not sink an arm
+            if self.cost.n:
+                ratio = min(max(seconds / max(self.cost.predict(tokens, drafts, rows), 1e-9), 1 / 3), 3.0)
             if not self.pending or self._reward(live, seconds, ratio):
-                self.cost.observe(tokens, seconds, drafts, len(ctx.requests))
+                self.cost.observe(tokens, seconds, drafts, rows)
         self.pending, self.subsets = {}, {}
         bucket = batch_bucket(len(live))
         keys = sorted({self.key_of(r) for r in live})
@@ -311,9 +309,9 @@ class BanditTreeProposer(LookaheadProposer):
 
     def _reward(self, live: list[RequestStep], seconds: float, ratio: float | None) -> bool:
         """Tokens per request of last step's arms (and of the arms whose outcome is known), and
-        the step's measured / predicted seconds for its arm when one arm ran it; the history keeps the pulled arm's
-        measured reward, tokens per request / the step's seconds. Returns whether the step's time
-        counts (no arm of it was in its warmup)."""
+        the step's measured / predicted seconds for its arm when one arm ran it; the history
+        keeps the pulled arm's measured reward, tokens per request / the step's seconds. Returns
+        whether the step's time counts (no arm of it was in its warmup)."""
         single = len({arm for arm, _ in self.pending.values()}) == 1
         timed = True
         by_id = {r.req_id: r for r in live}

@@ -64,6 +64,12 @@ class StepContext:
     # engine reports it (cost models); None: count 1 + verified drafts per row.
     num_scheduled_tokens: int | None = None
 
+    def tokens_run(self) -> int:
+        """`num_scheduled_tokens`, or 1 + verified drafts per row when the engine gives none."""
+        if self.num_scheduled_tokens is not None:
+            return self.num_scheduled_tokens
+        return sum(1 + len(r.drafts) for r in self.requests)
+
     def budget(self, k: int) -> int:
         """Drafts a proposer with max `k` may return per request this step."""
         return k if self.num_speculative_tokens is None else max(0, min(k, self.num_speculative_tokens))

@@ -50,11 +50,12 @@ class StepCost:
         return self._w
 
     def fit(self, rows: int = 1) -> tuple[float, float, float] | None:
-        """(a, b, jump at `rows` rows), or None before the first observation."""
+        """(a, b, jump at `rows` rows) as plain floats (callers' state crosses processes over
+        msgpack), or None before the first observation."""
         w = self.coef()
         if w is None:
             return None
-        return max(w[0], 0.0), w[1], w[2] + w[3] * rows
+        return max(float(w[0]), 0.0), float(w[1]), float(w[2] + w[3] * rows)
 
     def predict(self, tokens: float, drafts: bool = False, rows: int = 1) -> float:
         a, b, jump = self.fit(rows) or (0.0, 0.0, 0.0)

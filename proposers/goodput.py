@@ -202,10 +202,7 @@ class Goodput(Proposer):
             self.sent.pop(rid, None)
         live = [i for i, r in enumerate(ctx.requests) if r.sampled]
         if self.last_end is not None and ctx.requests:
-            tokens = ctx.num_scheduled_tokens
-            if tokens is None:
-                tokens = sum(1 + len(r.drafts) for r in ctx.requests)
-            self.cost.observe(tokens, now - self.last_end, any(r.drafts for r in ctx.requests), len(ctx.requests))
+            self.cost.observe(ctx.tokens_run(), now - self.last_end, any(r.drafts for r in ctx.requests), len(ctx.requests))
         realized = 0
         for i in live:
             r = ctx.requests[i]

@@ -1,8 +1,10 @@
 """`bandit_tree`: a draft tree whose shape (nodes per depth) is chosen online by a bandit.
 
 The drafter is the lookahead pool (prompt lookup, n-grams from the text and from the target's
-own Jacobi iterations, and the Jacobi window; `proposers/lookahead.py`): it scores every
-candidate node with its estimated probability of acceptance. A shape `widths` keeps, best first,
+own Jacobi iterations, and the Jacobi window; `proposers/lookahead.py`), or a Mamba drafter
+(`proposers/mamba.py`: its greedy chain and, per depth, its next-best tokens as leaves, scored by
+its own probabilities; its state rolls back through per-depth snapshots as for a chain): either
+scores every candidate node with its estimated probability of acceptance. A shape `widths` keeps, best first,
 at most `widths[d]` nodes at depth d+1 (`LookaheadProposer._propose_tree`). The family of shapes
 (`shape_family`) runs from no speculation at all, through plain chains, to wide-then-narrow
 trees within the node budget.
@@ -40,7 +42,7 @@ from collections import deque
 
 from .base import RequestStep, StepContext
 from .cost import StepCost, batch_bucket
-from .lookahead import LookaheadProposer
+from .lookahead import LookaheadProposer, shaped_tree
 
 logger = logging.getLogger("vllm_spec_plugins")
 
@@ -137,14 +139,15 @@ class DiscountedUCB:
 
 
 class BanditTreeProposer(LookaheadProposer):
-    """Lookahead drafter + a shape bandit. `scope`: "global" (one table per batch bucket),
-    "request" (one per request, freed with it), or "field:NAME" (one per value of the request's
+    """Lookahead drafter (or, with `drafter`, a Mamba drafter: `MambaProposer.draft_tree`) + a
+    shape bandit. `scope`: "global" (one table per batch bucket), "request" (one per request,
+    freed with it), or "field:NAME" (one per value of the request's
     `SamplingParams.extra_args[NAME]`, e.g. a traffic category; missing -> "global")."""
 
     def __init__(self, num_speculative_tokens: int, max_depth: int = 6, max_width: int = 4,
                  node_budget: int | None = None, shapes: list | None = None, exploration: float = 0.05,
                  discount: float = 0.995, scope: str = "global", backoff: bool = True,
-                 batch_node_budget: int = 64,
+                 batch_node_budget: int = 64, drafter=None, max_requests: int = 8,
                  log_every: int = 500, history: int = 20000, clock=time.perf_counter, **lookahead):
         budget = node_budget or num_speculative_tokens
         if not 1 <= budget <= num_speculative_tokens:
@@ -173,6 +176,11 @@ class BanditTreeProposer(LookaheadProposer):
             raise ValueError("bandit_tree: batch_node_budget must be >= 1")
         self.shapes, self.exploration, self.discount, self.scope = shapes, exploration, discount, scope
         self.batch_node_budget = batch_node_budget
+        #: a Mamba drafter (`StateSpaceDrafter`) drafts the candidates instead of the lookahead pool
+        self.mamba = None
+        if drafter is not None:
+            from .mamba import MambaProposer
+            self.mamba = MambaProposer(depth, drafter, max_requests)
         self._allowed: dict[int, list[int]] = {}
         self.none_arm = self.shapes.index(()) if () in self.shapes else None
         self.subsets: dict[str, tuple] = {}   # req id -> (nodes, is chain, {arm: node set}) drafted last step
@@ -200,11 +208,19 @@ class BanditTreeProposer(LookaheadProposer):
     def release(self, req_id: str) -> None:
         super().release(req_id)
         self.subsets.pop(req_id, None)
+        if self.mamba is not None:
+            self.mamba.release(req_id)
         if self.scope == "request":
             for ctx in [c for c in self.tables if c[0] == req_id]:
                 del self.tables[ctx]
             for ctx in [c for c in self.pending if c[0] == req_id]:
                 del self.pending[ctx]
+
+    def state_nbytes(self, req_id: str) -> int:
+        n = super().state_nbytes(req_id)
+        if self.mamba is not None and req_id in self.mamba.slots:
+            n += self.mamba.state_nbytes(req_id)
+        return n
 
     def allowed(self, bucket: int) -> list[int]:
         """Arms whose nodes fit the batch's share of `batch_node_budget` (at least the smallest
@@ -271,16 +287,23 @@ class BanditTreeProposer(LookaheadProposer):
         if self.sync is not None:
             arms = self.sync(arms)
         k = ctx.budget(self.k)
+        cands = None
+        if self.mamba is not None:      # one batched drafter pass for the rows whose arm drafts
+            pull = {i: self.shapes[arms[self.key_of(r)]] for i, r in enumerate(ctx.requests) if r.sampled and k}
+            pull = {i: s for i, s in pull.items() if s}
+            cands = self.mamba.draft_tree(ctx, pull, min(max(map(len, pull.values()), default=0), k),
+                                          max((max(s) for s in pull.values()), default=1))
         out: list = []
         drafted: dict[int, list[int]] = {}
-        for req in ctx.requests:
+        for i, req in enumerate(ctx.requests):
             st = self.states.get(req.req_id)
             if st is None:
                 st = self.states[req.req_id] = self.new_state(req)
             if not req.sampled:
                 out.append([])
                 continue
-            self.observe(st, req)
+            if cands is None:
+                self.observe(st, req)
             if not k:                    # the engine's budget says no drafts: no arm was pulled
                 out.append([])
                 continue
@@ -293,7 +316,12 @@ class BanditTreeProposer(LookaheadProposer):
                 continue
             subs: dict[int, frozenset] = {}
             also = {a: self.shapes[a] for a in self.allowed(bucket) if a != arm and self.shapes[a]}
-            tree = self._propose_tree(st, req, k, list(shape), also, subs)
+            if cands is None:
+                tree = self._propose_tree(st, req, k, list(shape), also, subs)
+            else:
+                toks, pars, score = cands[i]
+                order = sorted(range(len(toks)), key=lambda j: (-score[j], j))   # parents first: scores fall
+                tree, _ = shaped_tree(order, toks, pars, shape, min(self.tree_nodes, k, sum(shape)), also, subs)
             drafted.setdefault(arm, []).append(len(tree))
             if len(tree):
                 self.subsets[req.req_id] = (len(tree), tree.is_chain, subs)

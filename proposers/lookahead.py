@@ -481,8 +481,6 @@ class LookaheadProposer(Proposer):
         {name: shape}: other shapes; for each whose tree is a subset of this one (so its
         acceptance is known once this tree is verified), `subsets[name]` receives its node
         indices in the returned tree."""
-        from vllm_spec_plugins.scorers.tree import DraftTree
-
         if st.tries is None:
             self._init_stats(st)
         budget = min(self.tree_nodes, k)
@@ -568,24 +566,35 @@ class LookaheadProposer(Proposer):
         # kept set holds every kept node's parent, the order is topological, and every prefix
         # of it (the scheduler may cut one) is a tree.
         order = sorted((-node for _, node in top), key=lambda i: (-score[i], i))
-        if widths is not None:
-            kept = _select(order, pars, widths, keep)
-            if also:
-                others = {}
-                for name, shape in also.items():
-                    if len(shape) <= len(widths):
-                        sub = _select(order, pars, shape, min(keep, sum(shape)))
-                        if sub <= kept:
-                            others[name] = sub
-            order = [i for i in order if i in kept]
-            if also and subsets is not None:
-                pos = {old: j for j, old in enumerate(order)}
-                for name, sub in others.items():
-                    subsets[name] = frozenset(pos[i] for i in sub)
-        new = {old: j for j, old in enumerate(order)}
-        tree = DraftTree([toks[i] for i in order], [new[pars[i]] if pars[i] >= 0 else -1 for i in order])
+        tree, order = shaped_tree(order, toks, pars, widths, keep if widths is not None else 0, also, subsets)
         st.proposed = (tree.tokens, tree.parents, [cls[i] for i in order])
         return tree
+
+
+def shaped_tree(order: list[int], toks: list[int], pars: list[int], widths=None, keep: int = 0,
+                also: "dict | None" = None, subsets: "dict | None" = None) -> "tuple[DraftTree, list[int]]":
+    """The draft tree of candidate nodes `order` (best first, every node after its parent) cut
+    to shape `widths` (None: all of them) with at most `keep` nodes, and the candidates it kept,
+    in tree order. `also` {name: shape}: for each other shape whose tree is a subset of this one
+    (its acceptance is known once this tree is verified), `subsets[name]` receives its node
+    indices in the returned tree."""
+    from vllm_spec_plugins.scorers.tree import DraftTree
+
+    if widths is not None:
+        kept = _select(order, pars, widths, keep)
+        others = {}
+        for name, shape in (also or {}).items():
+            if len(shape) <= len(widths):
+                sub = _select(order, pars, shape, min(keep, sum(shape)))
+                if sub <= kept:
+                    others[name] = sub
+        order = [i for i in order if i in kept]
+        if subsets is not None:
+            pos = {old: j for j, old in enumerate(order)}
+            for name, sub in others.items():
+                subsets[name] = frozenset(pos[i] for i in sub)
+    new = {old: j for j, old in enumerate(order)}
+    return DraftTree([toks[i] for i in order], [new[pars[i]] if pars[i] >= 0 else -1 for i in order]), order
 
 
 def _select(order: list[int], pars: list[int], widths, keep: int) -> set[int]:

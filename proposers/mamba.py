@@ -295,6 +295,7 @@ class MambaProposer(Proposer):
         self.buf: list[tuple[torch.Tensor, torch.Tensor]] = []   # per layer (conv, ssm) [slots, k+1, ...]
         self._grow(max(1, max_requests))
         self.states = self.slots                   # what plugin_state_summary counts
+        self.spine: dict[str, list[int]] = {}     # req_id -> greedy chain of the last tree drafted (`draft_tree`)
 
     @property
     def capacity(self) -> int:
@@ -313,6 +314,7 @@ class MambaProposer(Proposer):
     def release(self, req_id: str) -> None:
         slot = self.slots.pop(req_id, None)
         self.ntok.pop(req_id, None)
+        self.spine.pop(req_id, None)
         if slot is not None:
             self.free.append(slot)
 
@@ -344,12 +346,14 @@ class MambaProposer(Proposer):
             for c, s in self.buf:
                 c[slot, 0], s[slot, 0] = c[slot, snap], s[slot, snap]
 
-    def _before_last(self, req) -> int:
+    def _before_last(self, req, a: int | None = None) -> int:
         """Snapshot index, in the request's slot, of the drafter state after all its tokens but
-        the last. Last step's drafts accepted: snapshot[accepted]. Tokens the drafter has not seen
-        (steps without drafts): a scan of just those, from the last valid snapshot. New, resumed
-        after preemption, or out of step: one scan over the whole request."""
-        rid, n, a = req.req_id, len(req.token_ids), req.num_accepted
+        the last. Last step's drafts accepted: snapshot[accepted] (`a`: accepted tokens that are
+        the drafter's own chain, default all accepted). Tokens the drafter has not seen (steps
+        without drafts, a tree's sibling): a scan of just those, from the last valid snapshot.
+        New, resumed after preemption, or out of step: one scan over the whole request."""
+        rid, n = req.req_id, len(req.token_ids)
+        a = req.num_accepted if a is None else a
         prev = self.ntok.get(rid)
         if prev is None or a > self.k or prev + a > n - 1:
             self._scan(rid, req.token_ids[:n - 1], None)
@@ -359,9 +363,9 @@ class MambaProposer(Proposer):
             return 0
         return a
 
-    def _skip(self, req) -> None:
+    def _skip(self, req, a: int | None = None) -> None:
         """A step without drafts for this request: keep the state of what was accepted."""
-        prev, a = self.ntok.get(req.req_id), req.num_accepted
+        prev, a = self.ntok.get(req.req_id), req.num_accepted if a is None else a
         if prev is None or not a:
             return
         if a > self.k or prev + a > len(req.token_ids) - 1:
@@ -406,6 +410,75 @@ class MambaProposer(Proposer):
         ids, cls = ids.tolist(), cls.tolist()           # the one host sync, after the loop
         for i, d, c in zip(rows, ids, cls):
             out[i], self.classes[i] = d, c
+        return out
+
+
+    def _on_spine(self, req) -> int:
+        """Accepted tokens of the last verified tree that are the drafter's own greedy chain (the
+        snapshots hold its states): the common prefix of the accepted path and that chain."""
+        spine = self.spine.get(req.req_id)
+        if not req.drafts or not spine:
+            return 0
+        a = 0
+        for x, y in zip(req.sampled[:-1], spine):
+            if x != y:
+                break
+            a += 1
+        return a
+
+    @torch.no_grad()
+    def draft_tree(self, ctx: StepContext, rows, depth: int, width: int) -> dict[int, tuple]:
+        """Tree candidates for `bandit_tree`, for rows `rows` of the batch (the other live rows
+        skip): the drafter's greedy chain of `depth` tokens (the spine; its states are the
+        snapshots, so a rejection anywhere rolls back as for a chain) and, at each depth, its next
+        `width - 1` best tokens as leaves under the spine's node above. A sibling that gets
+        accepted is fed from the snapshot where it left the spine next step (`_on_spine`, the
+        catch-up scan). Returns {row: (tokens, parents, scores)}, parents before children, a
+        node's score its drafter probability times its spine ancestors' (its chance of being
+        reached and accepted, were the drafter calibrated). Same static-shape loop and one host
+        sync as `propose`."""
+        depth = min(depth, self.k)
+        rows = set(rows) if depth else set()
+        sel, slots, snap, last = [], [], [], []
+        for i, req in enumerate(ctx.requests):
+            if not req.sampled:
+                continue
+            a = self._on_spine(req)
+            self.spine.pop(req.req_id, None)
+            if i not in rows:
+                self._skip(req, a)
+                continue
+            snap.append(self._before_last(req, a))
+            sel.append(i), slots.append(self.slots[req.req_id]), last.append(int(req.token_ids[-1]))
+            self.ntok[req.req_id] = len(req.token_ids)
+        if not sel:
+            return {}
+        w = max(1, min(width, self.d.draft_vocab.numel()))
+        sl, sn = torch.tensor(slots), torch.tensor(snap)
+        h, st = self.d.step(torch.tensor(last), [(c[sl, sn], s[sl, sn]) for c, s in self.buf])
+        toks, probs = [], []
+        for j in range(depth + 1):
+            for (c, s), (cb, sb) in zip(st, self.buf):
+                cb[sl, j], sb[sl, j] = c, s
+            if j == depth:
+                break
+            p, t = torch.softmax(self.d.logits(h), -1).topk(w, -1)
+            t = self.d.draft_vocab[t]
+            toks.append(t), probs.append(p)
+            h, st = self.d.step(t[:, 0], st)
+        T = torch.stack(toks, 1).tolist()               # [rows, depth, w]: the one host sync
+        P = torch.stack(probs, 1).tolist()
+        out = {}
+        for i, tr, pr in zip(sel, T, P):
+            tokens, parents, scores = [], [], []
+            up, reach = -1, 1.0                        # spine node above, its score
+            for j in range(depth):
+                node = len(tokens)
+                for x, q in zip(tr[j], pr[j]):
+                    tokens.append(x), parents.append(up), scores.append(reach * q)
+                up, reach = node, scores[node]
+            out[i] = (tokens, parents, scores)
+            self.spine[ctx.requests[i].req_id] = [tr[j][0] for j in range(depth)]
         return out
 
 

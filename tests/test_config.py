@@ -91,7 +91,10 @@ def test_vllm_methods_unchanged(tiny_model):
     ({"method": "bandit_tree", "max_depth": 17}, ["max_depth", "node_budget"]),
     ({"method": "bandit_tree", "shapes": [[4, 4, 4, 4, 4]]}, ["shapes", "node_budget"]),
     ({"method": "bandit_tree", "shapes": [[2, 0]]}, ["shapes", "widths >= 1"]),
-    ({"method": "bandit_tree", "drafter": "/models/x"}, ["drafter", "lookahead"]),
+    ({"method": "bandit_tree", "drafter": "/models/x"}, ["drafter", "lookahead", "mamba"]),
+    ({"method": "bandit_tree", "drafter": "mamba"}, ["model", "required", "drafter 'mamba'"]),
+    ({"method": "bandit_tree", "drafter": "mamba", "model": "/nonexistent/x"}, ["model", "does not exist"]),
+    ({"method": "bandit_tree", "model": "/nonexistent/x"}, ["model", "only used with drafter 'mamba'"]),
     ({"method": "bandit_tree", "scope": "tenant"}, ["scope", "field:NAME"]),
     ({"method": "bandit_tree", "discount": 2}, ["discount", "0.5..1.0"]),
     ({"method": "bandit_tree", "exploration": "lots"}, ["exploration", "number"]),
@@ -173,3 +176,17 @@ def test_cascade_reaches_vllm_config_and_checks_its_drafter(tiny_model, tiny_mam
         engine_config(tiny_model, {"method": "cascade", "model": str(other)})
     with pytest.raises(ValueError, match="another tokenizer|hidden states of size"):
         engine_config(tiny_model, {"method": "cascade", "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"})
+
+
+def test_bandit_tree_mamba_drafter_reaches_vllm_config_and_is_checked(tiny_model, tiny_mamba_drafter, tmp_path):
+    from vllm_spec_plugins.drafters import random_ssm_drafter
+    vc = engine_config(tiny_model, {"method": "bandit_tree", "drafter": "mamba", "model": tiny_mamba_drafter})
+    params = vc.additional_config[cfg.ADDITIONAL_KEY]
+    assert params["drafter"] == "mamba" and params["model"] == tiny_mamba_drafter and params["target"] == tiny_model
+    assert "target" not in engine_config(tiny_model, {"method": "bandit_tree"}).additional_config[cfg.ADDITIONAL_KEY]
+    other = random_ssm_drafter(tiny_model, tmp_path / "t", kind="transformer", n_heads=2, n_kv_heads=1, mlp=32)
+    with pytest.raises(ValueError, match="'transformer' drafter; method 'bandit_tree'"):
+        engine_config(tiny_model, {"method": "bandit_tree", "drafter": "mamba", "model": str(other)})
+    with pytest.raises(ValueError, match="another tokenizer|hidden states of size"):
+        engine_config(tiny_model, {"method": "bandit_tree", "drafter": "mamba",
+                                   "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"})

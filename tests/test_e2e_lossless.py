@@ -32,7 +32,8 @@ def references(plain, tmp_path_factory):
 # verified, so acceptance and rollback always run); *_goodput: as served, goodput cutting drafts.
 CASES = [pytest.param(m, b, marks=[pytest.mark.slow] if (b == 1 and m not in ("lookahead", "mamba")) else [])
          for b in (1, 8) for m in ("oracle", "adversarial", "lookahead", "lookahead_tree", "bandit_tree", "mamba",
-                                   "cascade")] + [("lookahead_goodput", 8), ("mamba_goodput", 8)]
+                                   "cascade")] + [("lookahead_goodput", 8), ("mamba_goodput", 8),
+                                                  ("bandit_tree_mamba", 8)]
 
 
 @pytest.mark.parametrize("method, batch_size", CASES)
@@ -46,8 +47,10 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
         spec["references"] = references
     if method == "lookahead_tree":     # full form: pool candidates + Jacobi window as one tree
         spec = {"method": "lookahead", "num_speculative_tokens": 8, "window": 6, "tree": True, "goodput": False}
-    if method == "bandit_tree":        # every arm is tried: no speculation, chains, trees
+    if method.startswith("bandit_tree"):   # every arm is tried: no speculation, chains, trees
         spec = {"method": "bandit_tree", "num_speculative_tokens": 16, "exploration": 1.0, "batch_node_budget": 1024}
+        if method == "bandit_tree_mamba":  # candidates from the shipped Mamba drafter
+            spec |= {"drafter": "mamba", "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"}
     if method in ("mamba", "cascade"):   # the shipped, trained drafter: accepts, so rollback runs
         spec["model"] = "vllm_spec_plugins:smollm2-135m-instruct-mamba"
     if method == "cascade":
@@ -73,12 +76,13 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
     # per-request state released: only the one trailing probe request may remain
     for worker in res["plugin_state"]:
         assert worker["requests"] <= 1, worker
-    if method == "bandit_tree":
+    if method.startswith("bandit_tree"):
         st = res["plugin_state"][0]["bandit"]
         (table,) = [t for k, t in st["tables"].items() if k.endswith(f"|{batch_size}")]
         ran = [tuple(s) for s, n in zip(st["shapes"], table["pulls"]) if n]
         # none, chains and trees all ran, all exact (short chains may be known from longer ones)
         assert () in ran and any(len(s) > 1 and max(s) == 1 for s in ran) and any(max(s, default=0) > 1 for s in ran), table
+        assert got["accepted"] > 0
 
 
 @pytest.mark.parametrize("drafts", [pytest.param("chain", marks=pytest.mark.slow), "tree", "mamba"])

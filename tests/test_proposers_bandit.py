@@ -242,3 +242,48 @@ def test_bandit_learns_under_continuous_traffic():
         assert eng.done[rid].out == greedy(f, pr, 12)
     assert sum(sum(t.pulls) for t in p.tables.values()) > 200, p.describe()
     assert chosen(p, skip=100)["none"] > 0.8, p.describe()
+
+
+def test_mamba_drafter_trees_follow_shapes_stay_lossless_and_siblings_pay():
+    """drafter 'mamba': every shape's trees respect its widths, output equals greedy decoding of
+    the target, and against a target that takes the drafter's second choice at every 3rd token,
+    a tree with siblings at each depth needs fewer steps than the drafter's chain (accepted
+    siblings roll the drafter's state back correctly, or the chain after them would miss)."""
+    import torch
+
+    from test_proposers_mamba import V, drafter
+    d = drafter()
+    second = np.random.default_rng(4).random(256) < 0.3     # positions where the target differs
+
+    def target(prefix):
+        with torch.no_grad():
+            h, _ = d(torch.tensor([list(prefix)]))
+            top = d.logits(h[:, -1])[0].topk(2).indices
+        return int(d.draft_vocab[top[int(second[len(prefix)])]])
+
+    prompt = np.random.default_rng(3).integers(0, V, 12).tolist()
+    want = greedy(target, prompt, 80)
+    steps = {}
+    for shape in [(1, 1, 1, 1), (2, 2, 2, 1), (3, 1, 1)]:
+        p = BanditTreeProposer(8, shapes=[shape], vocab_size=V, drafter=d)
+        eng = ToyEngine(p, target, vocab_size=V)
+        seen = []
+        orig = p.propose
+
+        def spy(ctx, orig=orig):
+            out = orig(ctx)
+            seen.extend(t for t in out if len(t))
+            return out
+        p.propose = spy
+        eng.add("r", prompt, 80)
+        while eng.reqs:
+            eng.step()
+        assert eng.done["r"].out == want, shape
+        assert seen
+        for t in seen:
+            counts = depth_counts(list(t.parents))
+            assert len(counts) <= len(shape) and all(c <= w for c, w in zip(counts, shape)), (shape, counts)
+        steps[shape] = eng.done["r"].steps
+        eng.step()                                   # the finished request is reported: state freed
+        assert not p.mamba.slots and not p.states
+    assert steps[(2, 2, 2, 1)] < steps[(1, 1, 1, 1)], steps

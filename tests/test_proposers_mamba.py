@@ -133,3 +133,66 @@ def test_proposer_recovers_from_preemption_and_out_of_step_rows():
     got = prop.propose(StepContext([RequestStep("a", toks2, [10], [])], set(), set(), 3))[0]
     want = MambaProposer(3, d).propose(StepContext([RequestStep("a", toks2, [10], [])], set(), set(), 3))[0]
     assert got == want and len(out1) == 3
+
+
+def _topw_from_scratch(d, tokens, depth, w):
+    """Per depth j: the drafter's top-w (tokens, probs) after tokens + its greedy chain[:j], each
+    from one full pass over the sequence (no state reuse)."""
+    seq, out = list(tokens), []
+    with torch.no_grad():
+        for _ in range(depth):
+            h, _ = d(torch.tensor([seq]))
+            p, t = torch.softmax(d.logits(h[:, -1]), -1).topk(w, -1)
+            t = d.draft_vocab[t[0]].tolist()
+            out.append((t, p[0].tolist()))
+            seq.append(t[0])
+    return out
+
+
+def test_draft_tree_equals_scratch_after_siblings_skips_and_rejections():
+    """bandit_tree's Mamba candidates: the spine is the drafter's greedy chain, each depth's
+    siblings its next-best tokens under the spine node above, scores chain probabilities; after
+    a sibling was accepted (fed from the snapshot where it left the spine), a step without drafts,
+    or a rejection, the next tree equals a from-scratch run over the whole sequence."""
+    d = drafter()
+    depth, w = 4, 3
+    prop = MambaProposer(depth, d)
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, V, 9).tolist()
+    drafts, sampled = [], [toks[-1]]
+    plan = ["sibling", "skip", "reject", "spine", "sibling", "sibling", "reject"]
+    for step, what in enumerate(plan + ["end"]):
+        req = RequestStep("a", np.array(toks), sampled, drafts)
+        rows = set() if what == "skip" else {0}
+        cands = prop.draft_tree(StepContext([req], set(), set(), depth), rows, depth, w)
+        if what == "skip":
+            assert cands == {}
+            drafts, sampled = [], [int(rng.integers(0, V))]
+            toks.append(sampled[0])
+            continue
+        tokens, parents, scores = cands[0]
+        want = _topw_from_scratch(d, toks, depth, w)
+        reach, up = 1.0, -1
+        for j, (wt, wp) in enumerate(want):
+            got = slice(j * w, (j + 1) * w)
+            assert tokens[got] == wt, f"step {step}, depth {j + 1}"
+            assert parents[got] == [up] * w
+            np.testing.assert_allclose(scores[got], [reach * q for q in wp], rtol=1e-4)
+            reach, up = scores[j * w], j * w
+        if what == "end":
+            break
+        spine = [x[0][0] for x in want]
+        if what == "sibling":          # accepted: spine[:j], then the sibling at depth j+1
+            j = int(rng.integers(0, depth))
+            acc = spine[:j] + [want[j][0][1 + int(rng.integers(0, w - 1))]]
+        elif what == "spine":
+            acc = spine
+        else:                          # reject at a random depth
+            acc = spine[:int(rng.integers(0, depth))]
+        bonus = int(rng.integers(0, V))
+        drafts, sampled = tokens, acc + [bonus]
+        toks += sampled
+    assert prop.spine and prop.slots
+    prop.draft_tree(StepContext([], {"a"}, set(), depth), set(), depth, w)
+    prop.release("a")
+    assert not prop.slots and not prop.spine and not prop.ntok

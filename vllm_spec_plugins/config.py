@@ -41,7 +41,10 @@ METHODS: dict[str, dict[str, Key]] = {
     },
     "bandit_tree": {
         "num_speculative_tokens": Key(16, 1, 64, int, "draft tokens the scheduler reserves per request (>= node_budget)"),
-        "drafter": Key("lookahead", kind=str, help="what proposes candidates per depth: 'lookahead' (model-free pool)"),
+        "drafter": Key("lookahead", kind=str, help="what proposes candidates per depth: 'lookahead' (model-free pool) "
+                       "or 'mamba' (the Mamba drafter's greedy chain and its next-best tokens per depth)"),
+        "model": Key("", kind=str, help="drafter 'mamba': its folder (`python -m vllm_spec_plugins.drafters --drafter "
+                     "mamba`) or 'vllm_spec_plugins:smollm2-135m-instruct-mamba' (shipped)"),
         "node_budget": Key(0, 0, 64, int, "max tree nodes per request (0 = num_speculative_tokens)"),
         "max_depth": Key(6, 1, 64, int, "deepest shape in the generated family"),
         "max_width": Key(4, 1, 64, int, "widest first level in the generated family"),
@@ -219,9 +222,18 @@ def _check_bandit(out: dict) -> None:
     for name in ("max_depth", "max_width"):
         if out[name] > budget:
             raise ValueError(f"speculative_config.{name}={out[name]} must be <= node_budget={budget}")
-    if out["drafter"] != "lookahead":
-        raise ValueError(f"speculative_config.drafter={out['drafter']!r}: this release drafts bandit_tree "
-                         "candidates with 'lookahead' only (model drafters come with the drafter pipeline)")
+    if out["drafter"] not in ("lookahead", "mamba"):
+        raise ValueError(f"speculative_config.drafter={out['drafter']!r}: bandit_tree drafts candidates with "
+                         "'lookahead' (model-free) or 'mamba' (a Mamba drafter, speculative_config.model)")
+    if out["drafter"] == "mamba":
+        if not out["model"]:
+            raise ValueError("speculative_config.model is required with drafter 'mamba' (a folder made by "
+                             "python -m vllm_spec_plugins.drafters --drafter mamba, or "
+                             "'vllm_spec_plugins:smollm2-135m-instruct-mamba')")
+        _check_ssm_drafter(out["model"], "bandit_tree")
+    elif out["model"]:
+        raise ValueError(f"speculative_config.model={out['model']!r} is only used with drafter 'mamba' "
+                         "(drafter 'lookahead' is model-free)")
     scope = out["scope"]
     if not (scope in ("global", "request") or (scope.startswith("field:") and len(scope) > 6)):
         raise ValueError(f"speculative_config.scope={scope!r} must be 'global', 'request' or 'field:NAME'")
@@ -335,6 +347,6 @@ def translate(spec: dict, target_model_config=None) -> tuple[dict, dict]:
             vllm_spec[k] = spec[k]
     if target_model_config is not None:
         params["vocab_size"] = target_model_config.get_vocab_size()
-        if params["method"] in ("mamba", "cascade") or params.get("check_hidden_states"):
+        if params["method"] in ("mamba", "cascade") or params.get("drafter") == "mamba" or params.get("check_hidden_states"):
             params["target"] = target_model_config.model   # the drafter (or check) reads the target's head
     return vllm_spec, params

@@ -46,9 +46,15 @@ def build_proposer(params: dict, max_requests: int = 8) -> Proposer:
         return LookaheadProposer(k, vocab_size=vocab, **p)
     if method == "bandit_tree":
         from vllm_spec_plugins.proposers.bandit import BanditTreeProposer
-        p.pop("drafter")   # validated: "lookahead"
         shapes = p.pop("shapes") or None
-        return BanditTreeProposer(k, vocab_size=vocab, shapes=shapes, **p)
+        drafter, model = p.pop("drafter"), p.pop("model", "")   # validated: "lookahead" or "mamba" + model
+        if drafter == "mamba":
+            from vllm_spec_plugins.proposers.mamba import load_drafter
+            if "target" not in p:
+                raise ValueError("bandit_tree's drafter 'mamba' needs the target folder (params['target']), "
+                                 "set by the config hook")
+            p["drafter"] = load_drafter(model, *target_embeddings(p.pop("target")))
+        return BanditTreeProposer(k, vocab_size=vocab, shapes=shapes, max_requests=max_requests, **p)
     if method == "mamba":
         from vllm_spec_plugins.proposers.mamba import MambaProposer, load_drafter
         if "target" not in p:

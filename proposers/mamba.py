@@ -378,40 +378,53 @@ class MambaProposer(Proposer):
     def propose(self, ctx: StepContext) -> list:
         for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
             self.release(rid)
-        k = ctx.budget(self.k)
         out: list[list[int]] = [[] for _ in ctx.requests]
         self.classes = [[] for _ in ctx.requests]
-        rows, slots, snap, last = [], [], [], []
+        sel, ids, conf = self._draft(ctx, [i for i, r in enumerate(ctx.requests) if r.sampled], ctx.budget(self.k), 1)
+        if sel:
+            ids, cls = ids[..., 0].tolist(), confidence_classes(conf[..., 0]).tolist()   # the one host sync
+            for i, d, c in zip(sel, ids, cls):
+                out[i], self.classes[i] = d, c
+        return out
+
+    @torch.no_grad()
+    def _draft(self, ctx: StepContext, rows, depth: int, width: int, tree: bool = False):
+        """One drafter pass for rows `rows` of the batch (the other live rows skip): the state
+        after each row's tokens, then `depth` greedy recurrent steps, snapshot j = the state after
+        j drafts; at each step its top `width` (ids, probabilities). Returns (rows drafted,
+        ids [rows, depth, width], probs [rows, depth, width]), still on the device (static
+        shapes, no host sync in the loop). `tree`: last step's drafts were `draft_tree`'s, whose
+        accepted path may leave the greedy chain (`_on_spine`)."""
+        rows = set(rows) if depth else set()
+        sel, slots, snap, last = [], [], [], []
         for i, req in enumerate(ctx.requests):
             if not req.sampled:
                 continue
-            if k == 0:
-                self._skip(req)
+            a = None
+            if tree:
+                a = self._on_spine(req)
+                self.spine.pop(req.req_id, None)
+            if i not in rows:
+                self._skip(req, a)
                 continue
-            snap.append(self._before_last(req))
-            rows.append(i), slots.append(self.slots[req.req_id]), last.append(int(req.token_ids[-1]))
+            snap.append(self._before_last(req, a))
+            sel.append(i), slots.append(self.slots[req.req_id]), last.append(int(req.token_ids[-1]))
             self.ntok[req.req_id] = len(req.token_ids)
-        if not rows:
-            return out
+        if not sel:
+            return sel, None, None
         sl, sn = torch.tensor(slots), torch.tensor(snap)
         h, st = self.d.step(torch.tensor(last), [(c[sl, sn], s[sl, sn]) for c, s in self.buf])
-        drafts, confs = [], []
-        for j in range(k + 1):
+        toks, probs = [], []
+        for j in range(depth + 1):
             for (c, s), (cb, sb) in zip(st, self.buf):
                 cb[sl, j], sb[sl, j] = c, s
-            if j == k:
+            if j == depth:
                 break
-            p, t = torch.softmax(self.d.logits(h), -1).max(-1)
+            p, t = torch.softmax(self.d.logits(h), -1).topk(width, -1)
             t = self.d.draft_vocab[t]
-            drafts.append(t), confs.append(p)
-            h, st = self.d.step(t, st)
-        ids = torch.stack(drafts, 1)
-        cls = confidence_classes(torch.stack(confs, 1))
-        ids, cls = ids.tolist(), cls.tolist()           # the one host sync, after the loop
-        for i, d, c in zip(rows, ids, cls):
-            out[i], self.classes[i] = d, c
-        return out
-
+            toks.append(t), probs.append(p)
+            h, st = self.d.step(t[:, 0], st)
+        return sel, torch.stack(toks, 1), torch.stack(probs, 1)
 
     def _on_spine(self, req) -> int:
         """Accepted tokens of the last verified tree that are the drafter's own greedy chain (the
@@ -426,7 +439,6 @@ class MambaProposer(Proposer):
             a += 1
         return a
 
-    @torch.no_grad()
     def draft_tree(self, ctx: StepContext, rows, depth: int, width: int) -> dict[int, tuple]:
         """Tree candidates for `bandit_tree`, for rows `rows` of the batch (the other live rows
         skip): the drafter's greedy chain of `depth` tokens (the spine; its states are the
@@ -435,50 +447,24 @@ class MambaProposer(Proposer):
         accepted is fed from the snapshot where it left the spine next step (`_on_spine`, the
         catch-up scan). Returns {row: (tokens, parents, scores)}, parents before children, a
         node's score its drafter probability times its spine ancestors' (its chance of being
-        reached and accepted, were the drafter calibrated). Same static-shape loop and one host
-        sync as `propose`."""
-        depth = min(depth, self.k)
-        rows = set(rows) if depth else set()
-        sel, slots, snap, last = [], [], [], []
-        for i, req in enumerate(ctx.requests):
-            if not req.sampled:
-                continue
-            a = self._on_spine(req)
-            self.spine.pop(req.req_id, None)
-            if i not in rows:
-                self._skip(req, a)
-                continue
-            snap.append(self._before_last(req, a))
-            sel.append(i), slots.append(self.slots[req.req_id]), last.append(int(req.token_ids[-1]))
-            self.ntok[req.req_id] = len(req.token_ids)
+        reached and accepted, were the drafter calibrated). One drafter pass (`_draft`), one
+        host sync."""
+        w = max(1, min(width, self.d.draft_vocab.numel()))
+        sel, T, P = self._draft(ctx, rows, min(depth, self.k), w, tree=True)
         if not sel:
             return {}
-        w = max(1, min(width, self.d.draft_vocab.numel()))
-        sl, sn = torch.tensor(slots), torch.tensor(snap)
-        h, st = self.d.step(torch.tensor(last), [(c[sl, sn], s[sl, sn]) for c, s in self.buf])
-        toks, probs = [], []
-        for j in range(depth + 1):
-            for (c, s), (cb, sb) in zip(st, self.buf):
-                cb[sl, j], sb[sl, j] = c, s
-            if j == depth:
-                break
-            p, t = torch.softmax(self.d.logits(h), -1).topk(w, -1)
-            t = self.d.draft_vocab[t]
-            toks.append(t), probs.append(p)
-            h, st = self.d.step(t[:, 0], st)
-        T = torch.stack(toks, 1).tolist()               # [rows, depth, w]: the one host sync
-        P = torch.stack(probs, 1).tolist()
+        T, P = T.tolist(), P.tolist()                   # [rows, depth, w]: the one host sync
         out = {}
         for i, tr, pr in zip(sel, T, P):
             tokens, parents, scores = [], [], []
             up, reach = -1, 1.0                        # spine node above, its score
-            for j in range(depth):
+            for tj, pj in zip(tr, pr):
                 node = len(tokens)
-                for x, q in zip(tr[j], pr[j]):
+                for x, q in zip(tj, pj):
                     tokens.append(x), parents.append(up), scores.append(reach * q)
                 up, reach = node, scores[node]
             out[i] = (tokens, parents, scores)
-            self.spine[ctx.requests[i].req_id] = [tr[j][0] for j in range(depth)]
+            self.spine[ctx.requests[i].req_id] = [tj[0] for tj in tr]
         return out
 
 

@@ -111,9 +111,9 @@ def method_configs(args, model: str) -> dict:
 
 
 def bandit_family(spec: dict) -> list[tuple]:
-    from vllm_spec_plugins.config import validate
+    from vllm_spec_plugins.config import resolve_shipped_drafter, validate
     from vllm_spec_plugins.proposers.bandit import shape_family
-    p = validate(spec)
+    p = validate(resolve_shipped_drafter(spec))
     if p["shapes"]:
         return [tuple(x) for x in p["shapes"]]
     return shape_family(p["max_depth"], p["max_width"], p["node_budget"], p["backoff"])

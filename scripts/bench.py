@@ -312,8 +312,9 @@ def bandit_report(results, raw, configs, args) -> None:
         fixed = {n: r for n, r in results.items() if n.startswith(name + "@")}
         chains = {n: r for n, r in fixed.items() if n.split("@")[1] != "none"
                   and set(n.split("@")[1].split("-")) == {"1"}}
+        same = spec.get("drafter", "lookahead")     # chain methods with the same drafter
         chains |= {n: r for n, r in results.items()
-                   if isinstance(configs.get(n), dict) and configs[n].get("method") == "lookahead"
+                   if isinstance(configs.get(n), dict) and configs[n].get("method") == same
                    and not configs[n].get("tree")}
         for cat, row in results[name].items():
             row["bandit_tables"] = tables

@@ -4,8 +4,8 @@ The drafter is the lookahead pool (prompt lookup, n-grams from the text and from
 own Jacobi iterations, and the Jacobi window; `proposers/lookahead.py`), or a Mamba drafter
 (`proposers/mamba.py`: its greedy chain and, per depth, its next-best tokens as leaves, scored by
 its own probabilities; its state rolls back through per-depth snapshots as for a chain): either
-scores every candidate node with its estimated probability of acceptance. A shape `widths` keeps, best first,
-at most `widths[d]` nodes at depth d+1 (`LookaheadProposer._propose_tree`). The family of shapes
+scores every candidate node with its estimated probability of acceptance. A shape `widths`
+keeps, best first, at most `widths[d]` nodes at depth d+1 (`shaped_tree`). The family of shapes
 (`shape_family`) runs from no speculation at all, through plain chains, to wide-then-narrow
 trees within the node budget.
 

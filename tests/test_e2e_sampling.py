@@ -60,13 +60,16 @@ def references(tiny_model, tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("method", ["lookahead", "oracle_tree", "oracle_chain", "bandit_tree", "mamba", "cascade"])
+@pytest.mark.parametrize("method", ["lookahead", "oracle_tree", "oracle_chain", "bandit_tree", "bandit_tree_mamba",
+                                    "mamba", "cascade"])
 def test_sampled_follows_target(method, tiny_model, plain, references, tiny_mamba_drafter):
     # goodput off: drafts every step, so the acceptance under test runs all along
     spec = {"lookahead": {"method": "lookahead", "num_speculative_tokens": 3, "goodput": False},
             "mamba": {"method": "mamba", "num_speculative_tokens": 3, "model": tiny_mamba_drafter, "goodput": False},
             "cascade": {"method": "cascade", "num_speculative_tokens": 6, "model": tiny_mamba_drafter, "goodput": False},
             "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 8, "exploration": 1.0},
+            "bandit_tree_mamba": {"method": "bandit_tree", "num_speculative_tokens": 8, "exploration": 1.0,
+                                  "drafter": "mamba", "model": tiny_mamba_drafter},
             "oracle_chain": {"method": "oracle", "num_speculative_tokens": 3, "references": references},
             "oracle_tree": {"method": "oracle", "num_speculative_tokens": 8, "references": references,
                             "tree_nodes": 8, "tree_depth": 3}}[method]
@@ -86,6 +89,8 @@ SEEDED_SPECS = {
     "lookahead": {"method": "lookahead", "num_speculative_tokens": 4},
     "lookahead_tree": {"method": "lookahead", "num_speculative_tokens": 8, "tree": True, "goodput": False},
     "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 8, "exploration": 1.0},
+    "bandit_tree_mamba": {"method": "bandit_tree", "num_speculative_tokens": 8, "exploration": 1.0, "drafter": "mamba",
+                          "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
     "mamba": {"method": "mamba", "num_speculative_tokens": 4, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba",
               "goodput": False},
     "cascade": {"method": "cascade", "num_speculative_tokens": 6, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba",
@@ -122,7 +127,8 @@ def plain_seeded(default_model, seeded_prompts):
     return run_isolated(_seeded_job(default_model, seeded_prompts))["groups"]
 
 
-@pytest.mark.parametrize("method", [pytest.param(m, marks=[pytest.mark.slow] if m in ("mamba", "cascade") else [])
+@pytest.mark.parametrize("method", [pytest.param(m, marks=[pytest.mark.slow] if m in ("mamba", "cascade", "bandit_tree_mamba")
+                                                  else [])
                                     for m in SEEDED_SPECS])
 def test_seeded_sampling_equals_plain(method, default_model, seeded_prompts, plain_seeded):
     """Seeded sampled requests (T=0.8, top-p, top-k, each its own seed; greedy ones in the same

@@ -283,6 +283,9 @@ class MambaProposer(Proposer):
     cost nothing: the next drafting step scans the tokens it missed from the last valid snapshot."""
 
     class_prior = np.repeat(CONF_PRIOR, 4)          # class = confidence bin * DEPTHS + depth
+    #: slots allocated up front (each k+1 snapshots, ~0.6 MiB apiece for the shipped drafter): not
+    #: vLLM's max_num_seqs, which defaults to hundreds
+    PREALLOC = 16
 
     def __init__(self, num_speculative_tokens: int, drafter: StateSpaceDrafter, max_requests: int = 8):
         super().__init__(num_speculative_tokens)
@@ -293,7 +296,7 @@ class MambaProposer(Proposer):
         self.ntok: dict[str, int] = {}            # tokens consumed by snapshot 0
         self.free: list[int] = []
         self.buf: list[tuple[torch.Tensor, torch.Tensor]] = []   # per layer (conv, ssm) [slots, k+1, ...]
-        self._grow(max(1, max_requests))
+        self._grow(max(1, min(max_requests, self.PREALLOC)))   # grows by doubling past that
         self.states = self.slots                   # what plugin_state_summary counts
         self.spine: dict[str, list[int]] = {}     # req_id -> greedy chain of the last tree drafted (`draft_tree`)
 

@@ -213,21 +213,37 @@ class EagleDrafter(torch.nn.Module):
         self.register_buffer("embed", embed, persistent=False)
         self.register_buffer("head", head, persistent=False)
 
-    def forward(self, next_ids, hidden, pos):
+    def forward(self, next_ids, hidden, pos, past=None):
         """next_ids [B, T], hidden [B, T, h] (target's hidden at the same positions), pos [B, T]
-        -> drafter hidden [B, T, h] predicting the target's hidden at position + 1."""
+        -> drafter hidden [B, T, h] predicting the target's hidden at position + 1.
+
+        With `past` (a list of earlier unrolled steps' (k, v), as returned by `step`), this is
+        draft step len(past) + 1 of a training-time test: position i attends to the first step's
+        keys up to i (real tokens, the target's hidden states) and to its own entries of every
+        later step, as the drafter sees its cache when drafting the (len(past) + 1)-th token."""
+        return self.step(next_ids, hidden, pos, past)[0]
+
+    def step(self, next_ids, hidden, pos, past=None):
         B, T, _ = hidden.shape
         x = self.fc(torch.cat([F.embedding(next_ids, self.embed).to(hidden.dtype), hidden], -1))
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         q, k = _rope(q, pos, self.theta), _rope(k, pos, self.theta)
+        kv = list(past or []) + [(k, v)]
         rep = self.nh // self.nkv
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if len(kv) == 1:
+            a = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                               is_causal=True)
+        else:
+            ks = torch.cat([t[0] for t in kv], 2).repeat_interleave(rep, 1)
+            vs = torch.cat([t[1] for t in kv], 2).repeat_interleave(rep, 1)
+            eye = torch.eye(T, dtype=torch.bool)
+            mask = torch.cat([torch.ones(T, T, dtype=torch.bool).tril()] + [eye] * (len(kv) - 1), 1)
+            a = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask)
         x = x + self.o_proj(a.transpose(1, 2).reshape(B, T, -1))
         y = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+        return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y)), kv
 
     def logits(self, out):
         return out @ self.head.to(out.dtype).T
@@ -295,35 +311,65 @@ def _batch(rows: list[dict], rng: random.Random, tokens: int, max_len: int):
     return ids, hid, pos, tk_i, tk_v, w
 
 
-def drafter_loss(d: EagleDrafter, batch, noise: float = FEATURE_NOISE, gen=None, negatives: int = 2048):
+def drafter_loss(d: EagleDrafter, batch, noise: float = FEATURE_NOISE, gen=None, negatives: int = 2048,
+                 unroll: int = 1):
     """KL to the teacher's top-k + smooth-L1 to its next hidden state. The softmax runs over the
     batch's candidate tokens (union of teacher top-k) plus `negatives` random ones (sampled
-    softmax: the full 49k-token head would cost 5-10x more per step on a CPU); negatives=0: full."""
+    softmax: the full 49k-token head would cost 5-10x more per step on a CPU); negatives=0: full.
+
+    unroll > 1: training-time test (EAGLE-3, HASS). Draft step s reads the drafter's own output of
+    step s - 1 as its feature, as vLLM's EAGLE loop feeds it when drafting the s-th token, and is
+    scored on the teacher's distribution s tokens ahead (tokens teacher-forced: a later draft only
+    counts if the earlier ones were accepted). Measured before this: trained on the target's
+    features only, the second draft position accepted 0.09 on chat."""
     ids, hid, pos, tk_i, tk_v, w = batch
-    x_hid = hid[:, :-1]
+    B, T = ids.shape
+    L = T - 1
+    feat = hid[:, :-1]
     if noise:
-        x_hid = x_hid + (torch.rand(x_hid.shape, generator=gen) * 2 - 1).to(x_hid.dtype) * noise
-    tgt_i, tgt_p = tk_i[:, 1:], torch.softmax(tk_v[:, 1:], -1)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = d(ids[:, 1:], x_hid, pos[:, :-1])
-        if negatives:
-            vocab = d.head.shape[0]
-            cand = torch.unique(torch.cat([tgt_i.reshape(-1), torch.randint(0, vocab, (negatives,), generator=gen)]))
-            logits = out @ d.head[cand].to(out.dtype).T
-            tgt_i = torch.searchsorted(cand, tgt_i.contiguous())    # targets' places in cand
-        else:
-            logits = d.logits(out)
-    logp = torch.log_softmax(logits.float(), -1)
-    cls = -(tgt_p * logp.gather(-1, tgt_i)).sum(-1)
-    reg = F.smooth_l1_loss(out.float(), hid[:, 1:].float(), reduction="none").mean(-1)
-    wt = w[:, 1:]
-    loss = ((cls + REG_WEIGHT * reg) * wt).sum() / wt.sum()
-    agree = ((logp.argmax(-1) == tgt_i[..., 0]).float() * (wt == 1)).sum() / (wt == 1).sum().clamp(min=1)
-    return loss, agree.item()
+        feat = feat + (torch.rand(feat.shape, generator=gen) * 2 - 1).to(feat.dtype) * noise
+    tk_p = torch.softmax(tk_v, -1)
+    if negatives:
+        vocab = d.head.shape[0]
+        cand = torch.unique(torch.cat([tk_i.reshape(-1), torch.randint(0, vocab, (negatives,), generator=gen)]))
+        head, tk_i = d.head[cand], torch.searchsorted(cand, tk_i.contiguous())   # targets' places in cand
+    else:
+        head = d.head
+
+    def ahead(t, s):       # t[:, i + s] at place i, i < L (zero past the end)
+        out = torch.zeros_like(t[:, :L])
+        out[:, :T - s] = t[:, s:]
+        return out
+
+    total, weight, agree, past = 0.0, 0.0, [], None
+    for s in range(1, unroll + 1):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, past = d.step(ahead(ids, s), feat, pos[:, :L] + (s - 1), past)
+            logits = out @ head.to(out.dtype).T
+        logp = torch.log_softmax(logits.float(), -1)
+        tgt_i, tgt_p, wt = ahead(tk_i, s), ahead(tk_p, s), ahead(w, s)
+        cls = -(tgt_p * logp.gather(-1, tgt_i)).sum(-1)
+        reg = F.smooth_l1_loss(out.float(), ahead(hid, s).float(), reduction="none").mean(-1)
+        total = total + ((cls + REG_WEIGHT * reg) * wt).sum()
+        weight = weight + wt.sum()
+        full = wt == 1
+        agree.append((((logp.argmax(-1) == tgt_i[..., 0]) & full).sum() / full.sum().clamp(min=1)).item())
+        feat = out.to(hid.dtype)
+    return total / weight, agree
+
+
+@torch.no_grad()
+def held_back_agreement(d: EagleDrafter, val: list[dict], seed: int, batch_tokens: int, max_len: int,
+                        steps: int = 3, batches: int = 8) -> list[float]:
+    """Top-1 agreement with the teacher per draft step (own features fed back), on held-back rows."""
+    vr = random.Random(seed)
+    agree = [drafter_loss(d, _batch(val, vr, batch_tokens, max_len), noise=0.0, negatives=0, unroll=steps)[1]
+             for _ in range(batches)]
+    return [sum(a[s] for a in agree) / len(agree) for s in range(steps)]
 
 
 def train(target: str, work: Path, minutes: float, steps: int, seed: int, lr: float,
-          batch_tokens: int, max_len: int) -> Path:
+          batch_tokens: int, max_len: int, unroll: int = 1) -> Path:
     rows = load_cache(work)
     if not rows:
         raise SystemExit(f"no teacher cache in {work}: run the `cache` stage first")
@@ -350,7 +396,7 @@ def train(target: str, work: Path, minutes: float, steps: int, seed: int, lr: fl
             g["lr"] = lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
         rng = random.Random(seed * 1_000_003 + step)
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        loss, agree = drafter_loss(d, _batch(rows, rng, batch_tokens, max_len), gen=gen)
+        loss, agree = drafter_loss(d, _batch(rows, rng, batch_tokens, max_len), gen=gen, unroll=unroll)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
@@ -358,16 +404,13 @@ def train(target: str, work: Path, minutes: float, steps: int, seed: int, lr: fl
         log.append({"step": step, "loss": loss.item(), "agree": agree})
         done = step + 1
         if hasattr(bar, "set_postfix"):
-            bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{agree:.2f}")
-    torch.save({"drafter": d.state_dict(), "opt": opt.state_dict(), "step": done}, ckpt)
-    with torch.no_grad():
-        vr = random.Random(seed)
-        agree = [drafter_loss(d, _batch(val, vr, batch_tokens, max_len), noise=0.0, negatives=0)[1]
-                 for _ in range(8)]
-    report = {"step": done, "steps": steps, "val_agreement": sum(agree) / len(agree),
-              "train_tail": log[-20:]}
+            bar.set_postfix(loss=f"{loss.item():.3f}", agree=" ".join(f"{a:.2f}" for a in agree))
+    torch.save({"drafter": d.state_dict(), "opt": opt.state_dict(), "step": done, "unroll": unroll}, ckpt)
+    per_step = held_back_agreement(d, val, seed, batch_tokens, max_len)
+    report = {"step": done, "steps": steps, "unroll": unroll, "val_agreement": per_step[0],
+              "val_agreement_per_step": per_step, "train_tail": log[-20:]}
     (work / "train_report.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps({k: report[k] for k in ("step", "steps", "val_agreement")}))
+    print(json.dumps({k: report[k] for k in ("step", "steps", "unroll", "val_agreement_per_step")}))
     return ckpt
 
 
@@ -569,7 +612,9 @@ def export(target: str, work: Path, out_dir: Path) -> Path:
     d.load_state_dict(st["drafter"], strict=False)
     rp = work / "train_report.json"
     report = json.loads(rp.read_text()) if rp.exists() else {}
-    return export_drafter(d, target, out_dir, {"steps": st["step"], "val_agreement": report.get("val_agreement")})
+    return export_drafter(d, target, out_dir, {"steps": st["step"], "unroll": st.get("unroll", 1),
+                                               "val_agreement": report.get("val_agreement"),
+                                               "val_agreement_per_step": report.get("val_agreement_per_step")})
 
 
 def load_exported(path: str | Path, target_model) -> EagleDrafter:
@@ -583,19 +628,29 @@ def load_exported(path: str | Path, target_model) -> EagleDrafter:
 
 
 @torch.no_grad()
-def greedy_chain1_accepted(d: EagleDrafter, target_model, prompt: list[int], answer: list[int]) -> int:
-    """Tokens a k=1 EAGLE chain accepts while the target greedily emits `answer` after `prompt`:
-    the draft for answer[j] reads the target's hidden state two positions back and answer[j-1]
-    (teacher-forced, as vLLM feeds it); a hit emits two tokens in the step, a miss one."""
+@torch.no_grad()
+def greedy_chain_accepted(d: EagleDrafter, target_model, prompt: list[int], answer: list[int], k: int = 1) -> int:
+    """Tokens a k-token EAGLE chain accepts while the target greedily emits `answer` after `prompt`,
+    replayed as vLLM drafts: the first draft for answer[j] reads answer[j-1] and the target's hidden
+    state two positions back; draft s reads the drafter's own output of draft s - 1 (the unrolled
+    steps of `drafter_loss`, tokens teacher-forced: a draft only counts after its predecessors hit).
+    A step emits its accepted drafts and one more token."""
     ids = torch.tensor([prompt + answer])
     h = target_model.model(input_ids=ids).last_hidden_state
-    pred = d.logits(d(ids[:, 1:], h[:, :-1], torch.arange(ids.shape[1] - 1)[None])).argmax(-1)[0]
+    T = ids.shape[1]
+    pos = torch.arange(T - 1)[None]
+    preds, feat, past = [], h[:, :-1], None
+    for s in range(1, k + 1):
+        nxt = torch.zeros(1, T - 1, dtype=torch.long)
+        nxt[:, :T - s] = ids[:, s:]
+        feat, past = d.step(nxt, feat, pos + (s - 1), past)
+        preds.append(d.logits(feat).argmax(-1)[0])
     L, acc, j = len(prompt), 0, 1
     while j < len(answer):
-        if pred[L + j - 2].item() == answer[j]:
-            acc, j = acc + 1, j + 2
-        else:
-            j += 1
+        n = 0
+        while n < k and j + n < len(answer) and preds[n][L + j - 2].item() == answer[j + n]:
+            n += 1
+        acc, j = acc + n, j + n + 1
     return acc
 
 
@@ -627,6 +682,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--unroll", type=int, default=1,
+                    help="eagle: draft steps trained per position, each reading the drafter's own "
+                         "previous output (training-time test); 1 = EAGLE-1, target features only")
     ap.add_argument("--drafter", default="eagle", choices=("eagle", "mamba", "transformer"),
                     help="eagle: EAGLE-1 head for vLLM's eagle; mamba: token-only Mamba-2 drafter for the "
                          "plugin's mamba method; transformer: its same-size attention baseline")
@@ -649,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
         cache_text(target, work, a.text, a.seed, a.max_len)
     if "train" in a.stages:
         if a.drafter == "eagle":
-            train(target, work, a.minutes, a.steps, a.seed, a.lr, a.batch_tokens, 384)
+            train(target, work, a.minutes, a.steps, a.seed, a.lr, a.batch_tokens, 384, a.unroll)
         else:
             train_ssm(target, work, a.drafter, a.minutes, a.steps, a.seed, a.lr, a.batch_tokens, 384)
     if "export" in a.stages:

@@ -311,6 +311,14 @@ def _batch(rows: list[dict], rng: random.Random, tokens: int, max_len: int):
     return ids, hid, pos, tk_i, tk_v, w
 
 
+def _ahead(t, s: int, length: int):
+    """t[:, i + s] at place i for i < length (zeros past the end): the inputs and targets of
+    unrolled draft step s."""
+    out = torch.zeros_like(t[:, :length])
+    out[:, :t.shape[1] - s] = t[:, s:]
+    return out
+
+
 def drafter_loss(d: EagleDrafter, batch, noise: float = FEATURE_NOISE, gen=None, negatives: int = 2048,
                  unroll: int = 1):
     """KL to the teacher's top-k + smooth-L1 to its next hidden state. The softmax runs over the
@@ -336,20 +344,15 @@ def drafter_loss(d: EagleDrafter, batch, noise: float = FEATURE_NOISE, gen=None,
     else:
         head = d.head
 
-    def ahead(t, s):       # t[:, i + s] at place i, i < L (zero past the end)
-        out = torch.zeros_like(t[:, :L])
-        out[:, :T - s] = t[:, s:]
-        return out
-
     total, weight, agree, past = 0.0, 0.0, [], None
     for s in range(1, unroll + 1):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out, past = d.step(ahead(ids, s), feat, pos[:, :L] + (s - 1), past)
+            out, past = d.step(_ahead(ids, s, L), feat, pos[:, :L] + (s - 1), past)
             logits = out @ head.to(out.dtype).T
         logp = torch.log_softmax(logits.float(), -1)
-        tgt_i, tgt_p, wt = ahead(tk_i, s), ahead(tk_p, s), ahead(w, s)
+        tgt_i, tgt_p, wt = _ahead(tk_i, s, L), _ahead(tk_p, s, L), _ahead(w, s, L)
         cls = -(tgt_p * logp.gather(-1, tgt_i)).sum(-1)
-        reg = F.smooth_l1_loss(out.float(), ahead(hid, s).float(), reduction="none").mean(-1)
+        reg = F.smooth_l1_loss(out.float(), _ahead(hid, s, L).float(), reduction="none").mean(-1)
         total = total + ((cls + REG_WEIGHT * reg) * wt).sum()
         weight = weight + wt.sum()
         full = wt == 1
@@ -641,9 +644,7 @@ def greedy_chain_accepted(d: EagleDrafter, target_model, prompt: list[int], answ
     pos = torch.arange(T - 1)[None]
     preds, feat, past = [], h[:, :-1], None
     for s in range(1, k + 1):
-        nxt = torch.zeros(1, T - 1, dtype=torch.long)
-        nxt[:, :T - s] = ids[:, s:]
-        feat, past = d.step(nxt, feat, pos + (s - 1), past)
+        feat, past = d.step(_ahead(ids, s, T - 1), feat, pos + (s - 1), past)
         preds.append(d.logits(feat).argmax(-1)[0])
     L, acc, j = len(prompt), 0, 1
     while j < len(answer):

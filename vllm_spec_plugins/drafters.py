@@ -213,17 +213,17 @@ class EagleDrafter(torch.nn.Module):
         self.register_buffer("embed", embed, persistent=False)
         self.register_buffer("head", head, persistent=False)
 
-    def forward(self, next_ids, hidden, pos, past=None):
+    def forward(self, next_ids, hidden, pos):
         """next_ids [B, T], hidden [B, T, h] (target's hidden at the same positions), pos [B, T]
-        -> drafter hidden [B, T, h] predicting the target's hidden at position + 1.
-
-        With `past` (a list of earlier unrolled steps' (k, v), as returned by `step`), this is
-        draft step len(past) + 1 of a training-time test: position i attends to the first step's
-        keys up to i (real tokens, the target's hidden states) and to its own entries of every
-        later step, as the drafter sees its cache when drafting the (len(past) + 1)-th token."""
-        return self.step(next_ids, hidden, pos, past)[0]
+        -> drafter hidden [B, T, h] predicting the target's hidden at position + 1."""
+        return self.step(next_ids, hidden, pos)[0]
 
     def step(self, next_ids, hidden, pos, past=None):
+        """`forward`, also returning this step's (k, v) appended to `past`. With `past` (earlier
+        unrolled steps' (k, v)) this is draft step len(past) + 1 of a training-time test: position
+        i attends to the first step's keys up to i (real tokens, the target's hidden states) and to
+        its own entries of every later step, as the drafter sees its cache when drafting the
+        (len(past) + 1)-th token."""
         B, T, _ = hidden.shape
         x = self.fc(torch.cat([F.embedding(next_ids, self.embed).to(hidden.dtype), hidden], -1))
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
@@ -331,8 +331,7 @@ def drafter_loss(d: EagleDrafter, batch, noise: float = FEATURE_NOISE, gen=None,
     counts if the earlier ones were accepted). Measured before this: trained on the target's
     features only, the second draft position accepted 0.09 on chat."""
     ids, hid, pos, tk_i, tk_v, w = batch
-    B, T = ids.shape
-    L = T - 1
+    L = ids.shape[1] - 1
     feat = hid[:, :-1]
     if noise:
         feat = feat + (torch.rand(feat.shape, generator=gen) * 2 - 1).to(feat.dtype) * noise
@@ -630,7 +629,6 @@ def load_exported(path: str | Path, target_model) -> EagleDrafter:
     return d.eval()
 
 
-@torch.no_grad()
 @torch.no_grad()
 def greedy_chain_accepted(d: EagleDrafter, target_model, prompt: list[int], answer: list[int], k: int = 1) -> int:
     """Tokens a k-token EAGLE chain accepts while the target greedily emits `answer` after `prompt`,

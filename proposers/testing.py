@@ -289,31 +289,49 @@ class AdversarialProposer(OracleProposer):
 
 
 class AlternatingStepTimer(Proposer):
-    """Bench helper: drafts with `chain` and `tree` on alternate steps (the whole batch alike) and
-    records the wall time of each verification step by the kind it verified (time from one
-    proposal to the next), in `stats["chain_step_s"]` / `stats["tree_step_s"]`. Both kinds run
-    in one engine under the same machine conditions, interleaved step by step."""
+    """Bench helper: drafts with each of `kinds` in turn, one step each (the whole batch alike),
+    and records the wall time of every step by the kind it verified (time from one proposal to
+    the next) in `stats[f"{kind}_step_s"]`. All kinds run in one engine under the same machine
+    conditions, interleaved step by step. A kind may be None: no drafts (a plain decode step).
+    A step is filed only if the batch is the one that got the proposal, every row decoding (no
+    prefill chunk) and, for a drafting kind, every row verifying drafts."""
 
-    def __init__(self, chain: Proposer, tree: Proposer):
-        super().__init__(chain.k)
-        self.kinds = {"chain": chain, "tree": tree}
-        self.stats = {"chain_step_s": [], "tree_step_s": []}
-        self._last: tuple[float, str] | None = None    # (time of the last proposal, kind it drafted)
-        self._next = "chain"
+    def __init__(self, kinds: "dict[str, Proposer | None] | Proposer", tree: Proposer | None = None):
+        if isinstance(kinds, Proposer):           # (chain, tree): bench --step-cost
+            kinds = {"chain": kinds, "tree": tree}
+        super().__init__(max(p.k for p in kinds.values() if p is not None))
+        self.kinds = kinds
+        self.order = list(kinds)
+        self.stats = {f"{name}_step_s": [] for name in self.order}
+        self._last: tuple[float, str, list] | None = None   # (time of the last proposal, kind, req ids)
+        self._i = 0
+
+    @property
+    def _next(self) -> str:
+        return self.order[self._i % len(self.order)]
 
     def release(self, req_id: str) -> None:
         for p in self.kinds.values():
-            p.release(req_id)
+            if p is not None:
+                p.release(req_id)
 
     def propose(self, ctx: StepContext) -> list:
         import time
         now = time.perf_counter()
-        verified = [r for r in ctx.requests if r.drafts]
-        if self._last is not None and verified and len(verified) == len(ctx.requests):
-            self.stats[f"{self._last[1]}_step_s"].append(now - self._last[0])   # only pure verify steps
-        kind, self._next = self._next, "tree" if self._next == "chain" else "chain"
-        out = self.kinds[kind].propose(ctx)
-        self._last = (time.perf_counter(), kind) if any(len(d) for d in out) else None
+        if self._last is not None:
+            t, kind, ids = self._last
+            if [r.req_id for r in ctx.requests] == ids and all(r.sampled for r in ctx.requests) \
+                    and (self.kinds[kind] is None or all(r.drafts for r in ctx.requests)):
+                self.stats[f"{kind}_step_s"].append(now - t)
+        kind = self._next
+        self._i += 1
+        prop = self.kinds[kind]
+        out = [[] for _ in ctx.requests] if prop is None else prop.propose(ctx)
+        if prop is None:
+            for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
+                self.release(rid)
+        drafted = prop is None or all(len(d) for d in out)
+        self._last = (time.perf_counter(), kind, [r.req_id for r in ctx.requests]) if drafted else None
         return out
 
 

@@ -75,6 +75,11 @@ def parse_args(argv=None):
                    help="also run chainK_rejected / treeK_rejected (K drafts / a K-node tree of depth 4 that "
                         "are never accepted: every step verifies K tokens and emits 1) and report the cost "
                         "of a tree verification step against a chain step of the same size")
+    p.add_argument("--draft-cost", default="", metavar="LENGTHS",
+                   help="also run one engine that drafts each of these chain lengths in turn, one step each "
+                        "(e.g. 0,1,2,4,8; 0 = no drafts; drafts never accepted), and report the median step "
+                        "time per length against the no-draft step: the tau a method drafting that many "
+                        "tokens needs to break even on this machine, before its drafting cost")
     p.add_argument("--no-plain-rerun", action="store_true",
                    help="measure plain once (default: first and last, tokens/s averaged: the machine drifts)")
     return p.parse_args(argv)
@@ -99,6 +104,9 @@ def method_configs(args, model: str) -> dict:
         out[f"tree{k}_rejected"] = {"method": "adversarial", "num_speculative_tokens": k, "tree_nodes": k,
                                     "tree_depth": min(4, k)}
         out[f"alternating{k}_rejected"] = {**out[f"tree{k}_rejected"], "alternate": True}
+    if args.draft_cost:
+        lengths = draft_lengths(args.draft_cost)
+        out["draft_cost"] = {"method": "adversarial", "num_speculative_tokens": max(lengths), "cycle": lengths}
     if "plain" not in out:
         out = {"plain": None, **out}
     for name in args.sweep:
@@ -108,6 +116,16 @@ def method_configs(args, model: str) -> dict:
         for shape in bandit_family(spec):
             out[f"{name}@{shape_name(shape)}"] = {**spec, "shapes": [list(shape)]}
     return out
+
+
+def draft_lengths(text: str) -> list[int]:
+    try:
+        lengths = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise SystemExit(f"--draft-cost {text!r}: expected a comma list of chain lengths, e.g. 0,1,2,4,8")
+    if 0 not in lengths or len(lengths) < 2 or lengths[-1] > 64:
+        raise SystemExit(f"--draft-cost {text!r}: needs 0 (the no-draft step) and at least one length in 1..64")
+    return lengths
 
 
 def bandit_family(spec: dict) -> list[tuple]:
@@ -133,7 +151,7 @@ def is_cascade(spec) -> bool:
 
 def wants_stats(spec) -> bool:
     """Methods whose proposer counters the bench reads: cascade levels, alternating step timer."""
-    return is_cascade(spec) or (isinstance(spec, dict) and bool(spec.get("alternate")))
+    return is_cascade(spec) or (isinstance(spec, dict) and bool(spec.get("alternate") or spec.get("cycle")))
 
 
 def cascade_levels(g: dict) -> dict | None:
@@ -181,6 +199,52 @@ def step_cost(results, raw, k: int) -> dict:
                                   "steps": [len(st["chain_step_s"]), len(st["tree_step_s"])]}
         out[cat] = row
     return out
+
+
+def draft_cost(raw, lengths: list[int]) -> dict:
+    """Per category and chain length L: the median wall time of the steps that verified L drafts
+    (L = 0: a plain decode step) in the one engine that cycled through the lengths, and its ratio
+    to the no-draft step. A method that drafts L tokens per step and gets tau tokens per step
+    beats plain decoding only if tau > that ratio (more, by its own drafting time)."""
+    import statistics
+    out = {}
+    for cat, g in raw.get("draft_cost", {}).get("groups", {}).items():
+        st = g.get("plugin_stats") or {}
+        ms = {n: 1000 * statistics.median(st[f"{n}_step_s"]) for n in lengths if st.get(f"{n}_step_s")}
+        if 0 not in ms:
+            continue
+        out[cat] = {str(n): {"ms": v, "x_no_draft": v / ms[0], "steps": len(st[f"{n}_step_s"])}
+                    for n, v in ms.items()}
+    return out
+
+
+def print_draft_cost(cost: dict) -> None:
+    print("\ncost of verifying L drafts (never accepted), one engine cycling through the lengths step "
+          "by step; x = step time / no-draft step time = the tau needed to break even, before drafting:")
+    lengths = sorted({int(n) for rows in cost.values() for n in rows})
+    print("| category | " + " | ".join(f"L={n}: ms, x" for n in lengths) + " |\n|---|" + "---|" * len(lengths))
+    for cat, rows in cost.items():
+        cells = [f"{rows[str(n)]['ms']:.1f}, {rows[str(n)]['x_no_draft']:.2f}x" if str(n) in rows else "-"
+                 for n in lengths]
+        print(f"| {cat} | " + " | ".join(cells) + " |")
+
+
+def plot_draft_cost(cost: dict, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for cat, rows in cost.items():
+        ns = sorted(int(n) for n in rows)
+        ax.plot(ns, [rows[str(n)]["x_no_draft"] for n in ns], marker="o", label=cat)
+    ax.set_xlabel("drafts verified per step (L)")
+    ax.set_ylabel("step time / no-draft step\n(= tau needed to break even)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def print_step_cost(cost: dict, k: int) -> None:
@@ -470,6 +534,7 @@ def main(argv=None):
                 results[name][cat]["tokens_per_s_repeats"] = v
     bandit_report(results, raw, configs, args)
     cost = step_cost(results, raw, args.step_cost) if args.step_cost else None
+    dcost = draft_cost(raw, draft_lengths(args.draft_cost)) if args.draft_cost else None
     plain_lp = None
     mismatch = any(not row.get("identical_to_plain", True) for rows in results.values() for row in rows.values())
     if greedy and mismatch:
@@ -484,7 +549,7 @@ def main(argv=None):
            "outputs": {name: {c: g["texts"] for c, g in r["groups"].items()} for name, r in raw.items()},
            "bandit": {name: {"state": r["bandit_state"], "group_start_step": r.get("group_start_step")}
                       for name, r in raw.items() if "bandit_state" in r},
-           "step_cost": cost}
+           "step_cost": cost, "draft_cost": dcost}
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
     print_table(results, cats)
@@ -493,6 +558,10 @@ def main(argv=None):
     if cost:
         print_step_cost(cost, args.step_cost)
     png = args.plot or os.path.splitext(args.json)[0] + ".png"
+    if dcost:
+        print_draft_cost(dcost)
+        plot_draft_cost(dcost, os.path.splitext(png)[0] + "_draft_cost.png",
+                        f"batch {args.batch_size}, {args.dtype}: cost of verifying L drafts")
     plot(results, cats, png, f"batch {args.batch_size}, {args.dtype}, T={args.temperature}, "
                              f"{args.max_tokens} tokens")
     for name in results:

@@ -98,6 +98,8 @@ def test_vllm_methods_unchanged(tiny_model):
     ({"method": "bandit_tree", "scope": "tenant"}, ["scope", "field:NAME"]),
     ({"method": "bandit_tree", "discount": 2}, ["discount", "0.5..1.0"]),
     ({"method": "bandit_tree", "exploration": "lots"}, ["exploration", "number"]),
+    ({"method": "adversarial", "num_speculative_tokens": 4, "cycle": [0, 8]}, ["cycle", "0..num_speculative_tokens=4"]),
+    ({"method": "adversarial", "cycle": [2]}, ["cycle", ">= 2 distinct"]),
 ])
 def test_bad_config_refused_before_engine_start(tiny_model, spec, words):
     with pytest.raises(ValueError) as e:

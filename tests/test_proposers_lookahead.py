@@ -608,3 +608,28 @@ def test_alternating_step_timer():
     c, t = p.stats["chain_step_s"], p.stats["tree_step_s"]
     assert len(c) >= 25 and abs(len(c) - len(t)) <= 1
     assert min(t) > 0.002 > max(c)        # the slow (tree) steps are filed as tree steps
+
+
+def test_cycling_step_timer_files_each_length():
+    """bench --draft-cost's timer: chain lengths 0 (no drafts), 2 and 5 in turn, each step's time
+    filed under the length it verified (a target that takes 1 ms per verified position tells them
+    apart); output stays exact."""
+    from vllm_spec_plugins.proposers.testing import AlternatingStepTimer
+    f = fib(50)
+    ref = greedy(f, [4, 9], 90)
+    p = AlternatingStepTimer({"0": None, "2": AdversarialProposer(2, {(4, 9): ref}, vocab_size=50),
+                              "5": AdversarialProposer(5, {(4, 9): ref}, vocab_size=50)})
+    import time
+
+    def slow(t):
+        time.sleep(0.001)
+        return f(t)
+    eng = ToyEngine(p, slow, vocab_size=50)
+    eng.add("r", [4, 9], 90)
+    while eng.reqs:
+        eng.step()
+    assert eng.done["r"].out == ref and sum(eng.done["r"].accepted) == 0
+    s0, s2, s5 = (p.stats[f"{n}_step_s"] for n in ("0", "2", "5"))
+    assert min(len(s0), len(s2), len(s5)) >= 25
+    med = lambda v: sorted(v)[len(v) // 2]    # noqa: E731
+    assert med(s0) + 0.0015 < med(s2) and med(s2) + 0.002 < med(s5)   # 1, 3, 6 target calls per step

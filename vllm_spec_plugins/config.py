@@ -95,6 +95,8 @@ METHODS: dict[str, dict[str, Key]] = {
         "check_hidden_states": Key(False, kind=bool, help="test: check the target hidden states handed to the proposer"),
         "alternate": Key(False, kind=bool, help="bench: alternate a chain of num_speculative_tokens and a tree of "
                          "tree_nodes every step, timing each kind of verification step"),
+        "cycle": Key([], kind=list, help="bench: chain lengths (0 = no drafts) drafted in turn, one per step, "
+                     "timing the steps that verify each"),
     },
 }
 # vLLM SpeculativeConfig keys users may still set next to ours.
@@ -196,6 +198,11 @@ def validate(spec: dict) -> dict:
         _check_bandit(out)
     if method in ("oracle", "adversarial") and out["tree_nodes"] and not out["tree_depth"] <= out["tree_nodes"] <= out["num_speculative_tokens"]:
         raise ValueError("speculative_config: need tree_depth <= tree_nodes <= num_speculative_tokens")
+    if out.get("cycle") and not (len(out["cycle"]) >= 2 and all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= out["num_speculative_tokens"]
+            for x in out["cycle"]) and len(set(out["cycle"])) == len(out["cycle"])):
+        raise ValueError(f"speculative_config.cycle={out['cycle']!r}: give >= 2 distinct chain lengths, "
+                         f"each 0..num_speculative_tokens={out['num_speculative_tokens']}")
     if out.get("alternate") and not out["tree_nodes"]:
         raise ValueError("speculative_config.alternate needs tree_nodes (the tree it alternates with the chain)")
     if method == "mamba":

@@ -71,6 +71,9 @@ def build_proposer(params: dict, max_requests: int = 8) -> Proposer:
     if method in ("oracle", "adversarial"):
         from vllm_spec_plugins.proposers import testing
         refs = testing.load_references(p["references"]) if p["references"] else {}
+        if p.get("cycle"):
+            return testing.AlternatingStepTimer({str(n): testing.AdversarialProposer(n, refs, vocab_size=vocab) if n else None
+                                                 for n in p["cycle"]})
         if p.get("alternate"):
             return testing.AlternatingStepTimer(
                 testing.AdversarialProposer(k, references=refs, vocab_size=vocab),

@@ -40,8 +40,10 @@ def test_load_mixed_traffic_all_methods(default_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_load_run_stops_its_server(default_model, tmp_path):
-    """SIGTERM to scripts/load.py while a server is up: the server and its engine processes go too."""
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_killed_load_run_stops_its_server(default_model, tmp_path, sig):
+    """SIGTERM to scripts/load.py while a server is up: the `with` stops the server and its engine
+    processes; SIGKILL (no handler runs): the server's reaper kills them."""
     import os
     import signal
     import subprocess
@@ -62,7 +64,7 @@ def test_killed_load_run_stops_its_server(default_model, tmp_path):
             time.sleep(1)
         family = psutil.Process(p.pid).children(recursive=True)
         assert family, "no server process under load.py"
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(getattr(signal, sig))
         assert p.wait(timeout=120) != 0
         gone, alive = psutil.wait_procs(family, timeout=30)
         assert not alive, [(q.pid, q.name()) for q in alive]

@@ -296,9 +296,7 @@ class AlternatingStepTimer(Proposer):
     A step is filed only if the batch is the one that got the proposal, every row decoding (no
     prefill chunk) and, for a drafting kind, every row verifying drafts."""
 
-    def __init__(self, kinds: "dict[str, Proposer | None] | Proposer", tree: Proposer | None = None):
-        if isinstance(kinds, Proposer):           # (chain, tree): bench --step-cost
-            kinds = {"chain": kinds, "tree": tree}
+    def __init__(self, kinds: "dict[str, Proposer | None]"):
         super().__init__(max(p.k for p in kinds.values() if p is not None))
         self.kinds = kinds
         self.order = list(kinds)
@@ -318,6 +316,8 @@ class AlternatingStepTimer(Proposer):
     def propose(self, ctx: StepContext) -> list:
         import time
         now = time.perf_counter()
+        for rid in ctx.finished_req_ids | ctx.preempted_req_ids:     # every kind's state, not just the next one's
+            self.release(rid)
         if self._last is not None:
             t, kind, ids = self._last
             if [r.req_id for r in ctx.requests] == ids and all(r.sampled for r in ctx.requests) \
@@ -327,9 +327,6 @@ class AlternatingStepTimer(Proposer):
         self._i += 1
         prop = self.kinds[kind]
         out = [[] for _ in ctx.requests] if prop is None else prop.propose(ctx)
-        if prop is None:
-            for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
-                self.release(rid)
         drafted = prop is None or all(len(d) for d in out)
         self._last = (time.perf_counter(), kind, [r.req_id for r in ctx.requests]) if drafted else None
         return out

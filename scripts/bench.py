@@ -534,7 +534,7 @@ def main(argv=None):
                 results[name][cat]["tokens_per_s_repeats"] = v
     bandit_report(results, raw, configs, args)
     cost = step_cost(results, raw, args.step_cost) if args.step_cost else None
-    dcost = draft_cost(raw, draft_lengths(args.draft_cost)) if args.draft_cost else None
+    dcost = draft_cost(raw, configs["draft_cost"]["cycle"]) if args.draft_cost else None
     plain_lp = None
     mismatch = any(not row.get("identical_to_plain", True) for rows in results.values() for row in rows.values())
     if greedy and mismatch:

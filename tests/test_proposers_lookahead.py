@@ -593,8 +593,8 @@ def test_alternating_step_timer():
     from vllm_spec_plugins.proposers.testing import AlternatingStepTimer
     f = fib(50)
     ref = greedy(f, [4, 9], 60)
-    p = AlternatingStepTimer(AdversarialProposer(6, {(4, 9): ref}, vocab_size=50),
-                             OracleTreeProposer(6, {(4, 9): ref}, 6, 3, vocab_size=50, adversarial=True))
+    p = AlternatingStepTimer({"chain": AdversarialProposer(6, {(4, 9): ref}, vocab_size=50),
+                              "tree": OracleTreeProposer(6, {(4, 9): ref}, 6, 3, vocab_size=50, adversarial=True)})
     kinds = []
     slow_tree = lambda t: (time.sleep(0.002) if kinds and kinds[-1] == "tree" else None) or f(t)
     eng = TreeToyEngine(p, slow_tree, vocab_size=50)

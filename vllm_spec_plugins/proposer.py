@@ -75,9 +75,9 @@ def build_proposer(params: dict, max_requests: int = 8) -> Proposer:
             return testing.AlternatingStepTimer({str(n): testing.AdversarialProposer(n, refs, vocab_size=vocab) if n else None
                                                  for n in p["cycle"]})
         if p.get("alternate"):
-            return testing.AlternatingStepTimer(
-                testing.AdversarialProposer(k, references=refs, vocab_size=vocab),
-                testing.OracleTreeProposer(k, refs, p["tree_nodes"], p["tree_depth"], vocab or 2, adversarial=True))
+            return testing.AlternatingStepTimer({
+                "chain": testing.AdversarialProposer(k, references=refs, vocab_size=vocab),
+                "tree": testing.OracleTreeProposer(k, refs, p["tree_nodes"], p["tree_depth"], vocab or 2, adversarial=True)})
         if p.get("tree_nodes"):
             prop = testing.OracleTreeProposer(k, refs, p["tree_nodes"], p["tree_depth"], vocab or 2,
                                               adversarial=method == "adversarial")

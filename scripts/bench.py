@@ -68,6 +68,10 @@ def parse_args(argv=None):
     p.add_argument("--sweep", action="append", default=[], metavar="NAME",
                    help="for bandit_tree method NAME: also run every shape of its family as a fixed "
                         "shape (NAME@shape), and report the bandit against the best of them in hindsight")
+    p.add_argument("--warm", type=int, default=0, metavar="N",
+                   help="before the measured prompts, each engine serves N training-split prompts per category "
+                        "(same settings, not measured): state shared across requests (lookahead's shared pool, "
+                        "bandit statistics) starts where a server that has served them would be")
     p.add_argument("--repeats", type=int, default=1,
                    help="run the whole method list this many times, interleaved (A B C A B C ...); "
                         "tokens/s is the median over repeats (tau does not change)")
@@ -492,6 +496,9 @@ def main(argv=None):
             "seed": args.seed, "sample_seed": args.seed if not greedy else None,
             "max_model_len": args.max_model_len,
             "llm_kwargs": {"enforce_eager": True} if args.eager else {}}
+    if args.warm:
+        from vllm_spec_plugins import data
+        base["warm"] = data.make_prompts(categories=cats, n_per_category=args.warm, split="train")
     base["tag_category"] = True      # extra_args={"category": ...}: bandit_tree's scope may key on it
     env = {"OMP_NUM_THREADS": str(args.threads)}
     raw = {}

@@ -76,6 +76,9 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
     # per-request state released: only the one trailing probe request may remain
     for worker in res["plugin_state"]:
         assert worker["requests"] <= 1, worker
+    if method.startswith("lookahead"):   # the shared pool (on by default) took every request's text, within its cap
+        sp = res["plugin_state"][0]["shared_pool"]
+        assert 0 < sp["contexts"] <= sp["cap"], sp
     if method.startswith("bandit_tree"):
         st = res["plugin_state"][0]["bandit"]
         (table,) = [t for k, t in st["tables"].items() if k.endswith(f"|{batch_size}")]

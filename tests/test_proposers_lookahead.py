@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from vllm_spec_plugins.proposers.base import Proposer, ngram_lookup
-from vllm_spec_plugins.proposers.lookahead import LookaheadProposer, NGramPool
+from vllm_spec_plugins.proposers.lookahead import LookaheadProposer, NGramPool, SharedPool
 from vllm_spec_plugins.proposers.testing import (AdversarialProposer, OracleProposer, ToyEngine, greedy,
                                                   simulate)
 
@@ -86,6 +86,61 @@ def test_pool_cap_holds_over_4000_tokens():
     saturated = nbytes[sizes.index(cap) // 100 + 1:]
     assert max(saturated) <= 1.5 * min(saturated)  # flat once full, not growing with the text
     assert "r" not in p.states                    # released when it finished
+
+
+def test_shared_pool_counts_and_bounds():
+    sp = SharedPool(3, cap=100, per_key=2)
+    sp.add([1, 2, 3, 1, 2, 4, 1, 2, 3], 0)
+    assert sp.next([9, 1, 2], 1, 2) == 3           # (1, 2) -> 3 twice, 4 once
+    assert sp.next([9, 9, 2], 1, 2) == 3           # (2,) -> 3 twice
+    assert sp.next([9, 9, 3], 1, 2) == 1
+    assert sp.next([7, 8], 1, 2) is None
+    assert sp.next([8, 3], 2, 2) is None           # (8, 3) unseen, 1-token context not allowed
+    sp.add([0, 2, 5], 1)                           # (2,) now holds 3, 4, 5: the least counted, oldest goes
+    assert sp.next([2], 1, 1) == 3 and sorted(sp._tab[(2,)]) == [3, 5]
+    sp.add([0, 2, 5], 1)
+    sp.add([0, 2, 5], 1)
+    assert sp.next([2], 1, 1) == 5                 # 5 three times against 3 twice
+    sp = SharedPool(2, cap=3)
+    sp.add([1, 2, 3, 4, 5], 0)                     # contexts (1,) .. (4,): the oldest went
+    assert list(sp._tab) == [(2,), (3,), (4,)]
+    sp.add([2, 9], 1)                              # (2,) extended: now the most recent
+    sp.add([6, 7], 1)
+    assert list(sp._tab) == [(4,), (2,), (6,)] and len(sp) == 3
+
+
+def test_shared_pool_carries_text_across_requests():
+    """Request b's prompt is 3 tokens of request a's output: with the shared pool b drafts a's
+    text (tau >> 1), without it b's own text has nothing to copy. Output == greedy either way."""
+    V = 997
+    f = lambda t: (3 * t[-1] + 7 * t[-2] + 11) % V   # next = f(last two): b continues a's text
+    a = greedy(f, [1, 2, 3], 400)
+    taus = {}
+    for cap in (0, 4096):
+        p = LookaheadProposer(8, ngram=4, shared_pool=cap, vocab_size=V)
+        out_a, _, _ = simulate(p, f, [1, 2, 3], 400, req_id="a", vocab_size=V)
+        out_b, steps, _ = simulate(p, f, a[100:103], 200, req_id="b", vocab_size=V)
+        assert out_a == a and out_b == greedy(f, a[100:103], 200) and not p.states
+        taus[cap] = tau(out_b, steps)
+    assert taus[0] < 1.5 and taus[4096] > 4.0
+
+
+def test_shared_pool_cap_holds_over_4000_tokens():
+    V, cap = 997, 256
+    f = lambda t: (3 * t[-1] + 7 * t[-2] + 11) % V
+    p = LookaheadProposer(8, ngram=4, shared_pool=cap, vocab_size=V)
+    eng = ToyEngine(p, f, vocab_size=V)
+    eng.add("r", [1, 2, 3], 4000)
+    sizes, nbytes = [], []
+    while eng.reqs:
+        eng.step()
+        sizes.append(len(p.shared))
+        if len(sizes) % 100 == 0:
+            nbytes.append(p.shared.nbytes())
+    assert len(eng.done["r"].out) == 4000 and eng.done["r"].out == greedy(f, [1, 2, 3], 4000)
+    assert max(sizes) == cap
+    saturated = nbytes[sizes.index(cap) // 100 + 1:]
+    assert saturated and max(saturated) <= 1.5 * min(saturated)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,6 +335,7 @@ def test_oracle_matches_prompt_prefix_and_resume():
     (dict(prompt_lookup_min=4, prompt_lookup_max=3), "prompt_lookup_min"),
     (dict(prompt_lookup_max=-1), "prompt_lookup_max"),
     (dict(vocab_size=0), "vocab_size"), (dict(window=2.5), "window"),
+    (dict(shared_pool=-1), "shared_pool"),
 ])
 def test_range_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):

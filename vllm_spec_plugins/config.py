@@ -33,6 +33,8 @@ METHODS: dict[str, dict[str, Key]] = {
         "ngram": Key(4, 2, 16, int, "n-gram size N (lookahead levels + 1)"),
         "guesses": Key(7, 1, 64, int, "G: max n-gram candidates kept per key token"),
         "pool_cap": Key(4096, 16, 1 << 20, int, "max n-grams per request (LRU eviction)"),
+        "shared_pool": Key(65536, 0, 1 << 22, int, "contexts kept in the n-gram table shared by all requests "
+                           "(every request's prompt and output; LRU); 0 = off (each request drafts from its own text only)"),
         "prompt_lookup_min": Key(1, 1, 16, int, "prompt-lookup fallback: min match length"),
         "prompt_lookup_max": Key(3, 1, 16, int, "prompt-lookup fallback: max match length"),
         "tree": Key(False, kind=bool, help="full form: verify pool candidates + Jacobi window as one tree"),
@@ -58,6 +60,8 @@ METHODS: dict[str, dict[str, Key]] = {
         "ngram": Key(4, 2, 16, int, "drafter: n-gram size N"),
         "guesses": Key(7, 1, 64, int, "drafter: n-gram candidates kept per key token"),
         "pool_cap": Key(4096, 16, 1 << 20, int, "drafter: max n-grams per request (LRU eviction)"),
+        "shared_pool": Key(65536, 0, 1 << 22, int, "drafter: contexts kept in the n-gram table shared by all "
+                           "requests (lookahead's `shared_pool`; 0 = off; unused with drafter 'mamba')"),
         "prompt_lookup_min": Key(1, 1, 16, int, "drafter: prompt-lookup min match length"),
         "prompt_lookup_max": Key(3, 1, 16, int, "drafter: prompt-lookup max match length"),
     },

@@ -54,6 +54,7 @@ def build_proposer(params: dict, max_requests: int = 8) -> Proposer:
                 raise ValueError("bandit_tree's drafter 'mamba' needs the target folder (params['target']), "
                                  "set by the config hook")
             p["drafter"] = load_drafter(model, *target_embeddings(p.pop("target")))
+            p["shared_pool"] = 0      # the Mamba drafter drafts; no n-gram table to fill
         return BanditTreeProposer(k, vocab_size=vocab, shapes=shapes, max_requests=max_requests, **p)
     if method == "mamba":
         from vllm_spec_plugins.proposers.mamba import MambaProposer, load_drafter
@@ -249,6 +250,8 @@ def plugin_state_summary(worker) -> dict:
     nbytes = sum(impl.state_nbytes(r) for r in impl.states) if hasattr(impl, "state_nbytes") else None
     out = {"method": drafter.params["method"], "requests": len(impl.states), "nbytes": nbytes,
            "req_ids": sorted(impl.states)}
+    if getattr(impl, "shared", None) is not None:    # lookahead's cross-request table: bounded, never freed
+        out["shared_pool"] = {"contexts": len(impl.shared), "cap": impl.shared.cap}
     if hasattr(impl, "inspect"):
         out["bandit"] = impl.inspect()
     if hasattr(impl, "goodput_state"):

@@ -64,7 +64,8 @@ def to_token_prompts(tokenizer, rows: list) -> list[list[int]]:
 def run(job: dict) -> dict:
     """job: model, speculative_config|None, groups {name: [rows]}, max_tokens, temperature,
     batch_size, dtype, seed, max_model_len, logprobs(optional), top_k(optional), n(optional),
-    tag_category (requests carry extra_args={"category": group name})."""
+    tag_category (requests carry extra_args={"category": group name}), warm (rows served first,
+    not measured)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -85,6 +86,9 @@ def run(job: dict) -> dict:
     params = SamplingParams(**sp)
     llm.generate([TokensPrompt(prompt_token_ids=tok.encode("Hello"))],
                  SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
+    if job.get("warm"):     # served first, not measured (state shared across requests warms up)
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in to_token_prompts(tok, job["warm"])],
+                     params, use_tqdm=False)
     result = {"startup_s": startup, "groups": {}}
     if job.get("report_plugin_state"):
         from vllm_spec_plugins.proposer import plugin_steps

@@ -570,7 +570,8 @@ def main(argv=None):
         plot_draft_cost(dcost, os.path.splitext(png)[0] + "_draft_cost.png",
                         f"batch {args.batch_size}, {args.dtype}: cost of verifying L drafts")
     plot(results, cats, png, f"batch {args.batch_size}, {args.dtype}, T={args.temperature}, "
-                             f"{args.max_tokens} tokens")
+                             f"{args.max_tokens} tokens" + (f", after {args.warm} warm-up prompts per category"
+                                                            if args.warm else ""))
     for name in results:
         if "bandit_state" in raw.get(name, {}):
             bpng = os.path.splitext(png)[0] + f"_{name.replace('@', '_')}.png"

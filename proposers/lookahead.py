@@ -220,6 +220,11 @@ class LookaheadProposer(Proposer):
         self.pl_min, self.pl_max = (int(prompt_lookup_min), int(prompt_lookup_max)) if prompt_lookup_max else (0, 0)
         self.vocab_size = vocab_size
         self.shared = SharedPool(self.ngram, int(shared_pool)) if shared_pool else None
+        # req id -> tokens of its text the shared pool has taken: a preempted request comes back
+        # with a fresh state and must not add its text twice (LRU-bounded; ids are unique)
+        self._fed: OrderedDict[str, int] = OrderedDict()
+
+    _FED_CAP = 8192
 
     def new_state(self, req: RequestStep) -> _State:
         return _State(self)
@@ -252,7 +257,7 @@ class LookaheadProposer(Proposer):
                 self._update_stats(st, list(range(-1, n - 1)), set(range(req.num_accepted)), proposed[2])
         t = req.token_ids
         L = len(t)
-        self._index_text(st, t)
+        self._index_text(st, t, req.req_id)
         d, A = tuple(int(x) for x in req.drafts), req.target_argmax
         base = L - len(req.sampled)  # position of drafts[0] and of A[0]
         if A is None or len(A) != len(d) + 1:
@@ -283,7 +288,7 @@ class LookaheadProposer(Proposer):
             w.append(int(t[(st.rng >> 33) % L]))
         st.window, st.start = w, L
 
-    def _index_text(self, st: _State, t: np.ndarray) -> None:
+    def _index_text(self, st: _State, t: np.ndarray, req_id: str) -> None:
         """Add the n-grams completed by tokens[seen:] to the pool and prompt-lookup index. Of a
         long prompt only the last `pool_cap` tokens are indexed: the LRU-bounded pool and index
         would evict the rest (bar repeats) anyway, and this bounds the first step's cost."""
@@ -305,7 +310,12 @@ class LookaheadProposer(Proposer):
             while len(idx) > cap:
                 idx.popitem(last=False)
         if self.shared is not None:
-            self.shared.add(seg, max(st.seen, 1) - s0)
+            fed = self._fed.pop(req_id, 0)
+            if fed < L:
+                self.shared.add(seg, max(st.seen, fed, 1) - s0)
+            self._fed[req_id] = max(fed, L)
+            if len(self._fed) > self._FED_CAP:
+                self._fed.popitem(last=False)
         st.seen = L
 
     def _harvest(self, st: _State, base: int, d: tuple, A: tuple) -> None:
@@ -441,7 +451,7 @@ class LookaheadProposer(Proposer):
         along one lookahead branch (a chain, so exactly the chain form's update)."""
         t = req.token_ids
         L = len(t)
-        self._index_text(st, t)
+        self._index_text(st, t, req.req_id)
         d, P, A = tuple(int(x) for x in req.drafts), req.tree_parents, req.target_argmax
         base = L - len(req.sampled)  # position of the root's children; row 0 predicts it
         n = len(d)

@@ -125,6 +125,30 @@ def test_shared_pool_carries_text_across_requests():
     assert taus[0] < 1.5 and taus[4096] > 4.0
 
 
+def test_shared_pool_takes_a_preempted_requests_text_once():
+    """A preempted request resumes with a fresh per-request state; the shared pool must not count
+    its text again: the table after a run with two preemptions == the table after one without."""
+    V = 997
+    f = lambda t: (3 * t[-1] + 7 * t[-2] + 11) % V
+    tabs = []
+    for preempt_at in ((), (5, 12)):
+        p = LookaheadProposer(6, ngram=4, shared_pool=4096, vocab_size=V)
+        eng = ToyEngine(p, f, vocab_size=V)
+        eng.add("r", [1, 2, 3], 120)
+        steps = 0
+        while eng.reqs or eng.paused:
+            if steps in preempt_at and "r" in eng.reqs:
+                eng.preempt("r")
+                eng.step()                     # reports the preemption; r has no row
+                eng.resume("r")
+            eng.step()
+            steps += 1
+        eng.flush()
+        assert eng.done["r"].out == greedy(f, [1, 2, 3], 120)
+        tabs.append({k: dict(v) for k, v in p.shared._tab.items()})
+    assert tabs[0] == tabs[1]
+
+
 def test_shared_pool_cap_holds_over_4000_tokens():
     V, cap = 997, 256
     f = lambda t: (3 * t[-1] + 7 * t[-2] + 11) % V
@@ -154,7 +178,7 @@ def test_incremental_prompt_lookup_matches_ngram_lookup():
     p = LookaheadProposer(5)
     st = p.new_state(None)
     for L in range(2, len(t)):
-        p._index_text(st, t[:L])
+        p._index_text(st, t[:L], "r")
         got = p._lookup(st, t[:L], t[max(L - 3, 0):L].tolist(), 5, 1)
         assert got == ngram_lookup(t[:L], 5, 1, 3), L
 

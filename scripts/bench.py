@@ -72,6 +72,9 @@ def parse_args(argv=None):
                    help="before the measured prompts, each engine serves N training-split prompts per category "
                         "(same settings, not measured): state shared across requests (lookahead's shared pool, "
                         "bandit statistics) starts where a server that has served them would be")
+    p.add_argument("--warm-batch", type=int, default=0, metavar="B",
+                   help="serve the --warm prompts B at a time (default: --batch-size); the engine then has "
+                        "max(B, --batch-size) request slots and admits --batch-size at a time while measured")
     p.add_argument("--repeats", type=int, default=1,
                    help="run the whole method list this many times, interleaved (A B C A B C ...); "
                         "tokens/s is the median over repeats (tau does not change)")
@@ -499,6 +502,7 @@ def main(argv=None):
     if args.warm:
         from vllm_spec_plugins import data
         base["warm"] = data.make_prompts(categories=cats, n_per_category=args.warm, split="train")
+        base["warm_batch"] = args.warm_batch
     base["tag_category"] = True      # extra_args={"category": ...}: bandit_tree's scope may key on it
     env = {"OMP_NUM_THREADS": str(args.threads)}
     raw = {}

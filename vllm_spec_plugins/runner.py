@@ -65,15 +65,18 @@ def run(job: dict) -> dict:
     """job: model, speculative_config|None, groups {name: [rows]}, max_tokens, temperature,
     batch_size, dtype, seed, max_model_len, logprobs(optional), top_k(optional), n(optional),
     tag_category (requests carry extra_args={"category": group name}), warm (rows served first,
-    not measured)."""
+    not measured), warm_batch (serve them this many at a time: the engine gets that many request
+    slots, and admits only batch_size at a time after the warm-up)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
+    batch = job.get("batch_size", 1)
+    slots = max(batch, job.get("warm_batch") or 0) if job.get("warm") else batch
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"),
               speculative_config=job.get("speculative_config"),
               max_model_len=job.get("max_model_len", 2048),
-              max_num_seqs=job.get("batch_size", 1), seed=job.get("seed", 0),
+              max_num_seqs=slots, seed=job.get("seed", 0),
               enable_prefix_caching=job.get("enable_prefix_caching", False), disable_log_stats=False,
               **job.get("llm_kwargs", {}))
     startup = time.perf_counter() - t0
@@ -89,6 +92,8 @@ def run(job: dict) -> dict:
     if job.get("warm"):     # served first, not measured (state shared across requests warms up)
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in to_token_prompts(tok, job["warm"])],
                      params, use_tqdm=False)
+        if slots > batch:   # measured at batch_size: vLLM's admission cap (in-process engine)
+            llm.llm_engine.engine_core.engine_core.scheduler.max_num_active_reqs = batch
     result = {"startup_s": startup, "groups": {}}
     if job.get("report_plugin_state"):
         from vllm_spec_plugins.proposer import plugin_steps

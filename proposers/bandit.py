@@ -41,7 +41,7 @@ import time
 from collections import deque
 
 from .base import RequestStep, StepContext
-from .cost import StepCost, batch_bucket
+from .cost import StepCost, batch_bucket, continues
 from .lookahead import LookaheadProposer, shaped_tree
 
 logger = logging.getLogger("vllm_spec_plugins")
@@ -187,6 +187,7 @@ class BanditTreeProposer(LookaheadProposer):
         self.tables: dict[tuple, DiscountedUCB] = {}
         self.pending: dict[tuple, tuple[int, list[str]]] = {}   # context -> (arm, request ids) of last step
         self.last_start: float | None = None
+        self._ids: set = set()                   # request ids of the last step (`continues`)
         self.cost = StepCost()               # seconds of a step, from the time between proposals
         self.nodes = [float(sum(sh)) for sh in self.shapes]   # nodes an arm drafts per request (EMA)
         self.steps = 0
@@ -267,7 +268,8 @@ class BanditTreeProposer(LookaheadProposer):
         for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
             self.release(rid)
         live = [r for r in ctx.requests if r.sampled]
-        if self.last_start is not None and ctx.requests:
+        self._ids, timed = continues(self._ids, ctx.requests)
+        if self.last_start is not None and timed:
             tokens, rows = ctx.tokens_run(), len(ctx.requests)
             seconds, drafts = now - self.last_start, any(r.drafts for r in ctx.requests)
             ratio = None           # measured / predicted, within [1/3, 3]: one stall must not sink an arm

@@ -4,6 +4,14 @@ from __future__ import annotations
 import numpy as np
 
 
+def continues(prev_ids: set, requests) -> tuple[set, bool]:
+    """(this step's request ids, whether the time since the previous step is a step's cost): when
+    no row of this step ran in the previous one, the engine may have sat idle in between (no
+    requests; interleaved benchmarks, sparse traffic), and that gap must not price anything."""
+    ids = {r.req_id for r in requests}
+    return ids, bool(ids & prev_ids)
+
+
 def batch_bucket(b: int) -> int:
     """1, 2, 4, 8, ...: the largest power of two <= b."""
     return 1 << (max(b, 1).bit_length() - 1)

@@ -43,7 +43,7 @@ from dataclasses import replace
 import numpy as np
 
 from .base import Proposer, StepContext
-from .cost import StepCost, batch_bucket
+from .cost import StepCost, batch_bucket, continues
 
 #: depth index of the generic classes (a proposer without classes of its own): min(depth, DEPTHS) - 1
 DEPTHS = 4
@@ -125,6 +125,7 @@ class Goodput(Proposer):
         self.cost = StepCost()
         self.sent: dict[str, list[int]] = {}     # req id -> classes of the drafts handed out last step
         self.last_end: float | None = None
+        self._ids: set = set()                   # request ids of the last step (`continues`)
         self.buckets: dict[int, dict] = {}       # batch bucket -> drafter accounting (EMAs)
         self.steps = 0
         self.sync = None                         # tensor parallel: rank 0's decisions for every rank
@@ -201,7 +202,8 @@ class Goodput(Proposer):
             self.accept.release(rid)
             self.sent.pop(rid, None)
         live = [i for i, r in enumerate(ctx.requests) if r.sampled]
-        if self.last_end is not None and ctx.requests:
+        self._ids, timed = continues(self._ids, ctx.requests)
+        if self.last_end is not None and timed:
             self.cost.observe(ctx.tokens_run(), now - self.last_end, any(r.drafts for r in ctx.requests), len(ctx.requests))
         realized = 0
         for i in live:

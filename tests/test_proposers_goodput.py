@@ -82,6 +82,31 @@ def test_step_cost_separates_the_speculation_jump():
     assert jump8 == pytest.approx(0.0002 + 0.0016, rel=0.15)
 
 
+def test_idle_time_between_requests_prices_nothing():
+    """Requests one after another with the engine idle in between (sparse traffic, an interleaved
+    benchmark): the gap is no step's cost. The cost fit, and with it what is drafted, must be what
+    it is without the gaps (before the fix a 20 s gap made drafting look unaffordable)."""
+    fits, kept = [], []
+    for idle in (0.0, 20.0):
+        clock = Clock(lcg(), 0.02, 0.002)
+        prompts = [[7 + i, 3 * i + 1] for i in range(6)]
+        refs = {tuple(p): greedy(lcg(), p, 48) for p in prompts}
+        prop = Goodput(OracleProposer(6, refs), clock=clock)
+        eng = ToyEngine(prop, clock.next, vocab_size=V)
+        for i, p in enumerate(prompts):
+            clock.t += idle
+            eng.add(f"r{i}", p, 40)
+            while eng.reqs:
+                eng.step()
+                clock.t += 0.02
+            assert eng.done[f"r{i}"].out == refs[tuple(p)][:40]
+        eng.flush()
+        fits.append(prop.cost.coef())
+        kept.append(prop.goodput_stats["kept"])
+    np.testing.assert_allclose(fits[1], fits[0], rtol=1e-6, atol=1e-9)
+    assert kept[1] == kept[0] > 0
+
+
 def test_accept_model_learns_per_class_and_per_request():
     m = AcceptModel(np.array([0.5, 0.5]))
     for i in range(300):       # class 0 always accepted, class 1 never (chains [0, 1])

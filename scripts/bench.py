@@ -75,6 +75,10 @@ def parse_args(argv=None):
     p.add_argument("--warm-batch", type=int, default=0, metavar="B",
                    help="serve the --warm prompts B at a time (default: --batch-size); the engine then has "
                         "max(B, --batch-size) request slots and admits --batch-size at a time while measured")
+    p.add_argument("--interleave", type=int, default=0, metavar="N",
+                   help="keep one engine per method up and serve N prompts to each in turn (rotating which "
+                        "goes first), category by category: the host's speed drift hits every method alike "
+                        "(engines get 1 GiB of KV cache each; replaces --repeats and the second plain run)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run the whole method list this many times, interleaved (A B C A B C ...); "
                         "tokens/s is the median over repeats (tau does not change)")
@@ -480,6 +484,27 @@ def plot(results, cats, path, title):
     fig.savefig(path, dpi=110)
 
 
+def run_interleaved(jobs: dict, groups: dict, n: int, env: dict, tqdm) -> dict:
+    """`run_isolated`'s results for every job, measured in turns: all engines up (and warmed),
+    then for each turn of n prompts of a category every engine serves them, the first engine
+    rotating from turn to turn."""
+    from vllm_spec_plugins.runner import EngineProcess, merge_groups
+    engines: dict = {}
+    try:
+        for name, j in tqdm(jobs.items(), desc="engines up", unit="engine"):
+            engines[name] = EngineProcess({**j, "groups": {}}, env=env)
+        turns = [(cat, rows[i:i + n]) for cat, rows in groups.items() for i in range(0, len(rows), n)]
+        names, got = list(jobs), {name: {} for name in jobs}
+        for t, (cat, rows) in enumerate(tqdm(turns, desc="turns", unit="turn")):
+            for name in names[t % len(names):] + names[:t % len(names)]:
+                g = engines[name].group(cat, rows)
+                got[name][cat] = merge_groups(got[name][cat], g) if cat in got[name] else g
+        return {name: engines.pop(name).finish() | {"groups": got[name]} for name in names}
+    finally:
+        for e in engines.values():
+            e.close()
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)   # before minutes of runs
@@ -509,12 +534,20 @@ def main(argv=None):
     runs = list(configs.items()) * args.repeats + ([] if args.no_plain_rerun or args.repeats > 1
                                                    else [("plain (again)", None)])
     speeds: dict[str, dict[str, list[float]]] = {}
-    bar = tqdm(runs, desc="bench", unit="run")
+    def job(spec):
+        return {**base, "speculative_config": spec, "report_plugin_state": is_bandit(spec),
+                "report_plugin_stats": wants_stats(spec)}
+    if args.interleave:
+        if args.repeats > 1:
+            raise SystemExit("--interleave replaces --repeats: give one of them")
+        raw = run_interleaved({name: job(spec) for name, spec in configs.items()}, groups, args.interleave,
+                              env | {"VLLM_CPU_KVCACHE_SPACE": "1"}, tqdm)
+        runs = []
+    bar = tqdm(runs, desc="bench", unit="run") if runs else []
     for name, spec in bar:
         bar.set_postfix_str(name)
         t0 = time.perf_counter()
-        r = run_isolated({**base, "speculative_config": spec, "report_plugin_state": is_bandit(spec),
-                          "report_plugin_stats": wants_stats(spec)}, env=env)
+        r = run_isolated(job(spec), env=env)
         r["wall_s"] = time.perf_counter() - t0
         raw.setdefault(name, r)     # the first repeat's outputs and counters
         for cat, g in r["groups"].items():
@@ -575,7 +608,8 @@ def main(argv=None):
                         f"batch {args.batch_size}, {args.dtype}: cost of verifying L drafts")
     plot(results, cats, png, f"batch {args.batch_size}, {args.dtype}, T={args.temperature}, "
                              f"{args.max_tokens} tokens" + (f", after {args.warm} warm-up prompts per category"
-                                                            if args.warm else ""))
+                                                            if args.warm else "")
+         + (f", interleaved ({args.interleave} a turn)" if args.interleave else ""))
     for name in results:
         if "bandit_state" in raw.get(name, {}):
             bpng = os.path.splitext(png)[0] + f"_{name.replace('@', '_')}.png"

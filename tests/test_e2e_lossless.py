@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from vllm_spec_plugins.runner import run_isolated
+from vllm_spec_plugins.runner import EngineProcess, merge_groups, run_isolated
 
 MAX_TOKENS = 32
 
@@ -86,6 +86,27 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
         # none, chains and trees all ran, all exact (short chains may be known from longer ones)
         assert () in ran and any(len(s) > 1 and max(s) == 1 for s in ran) and any(max(s, default=0) > 1 for s in ran), table
         assert got["accepted"] > 0
+
+
+def test_engine_process_serves_turns(default_model, heldout_prompts, plain):
+    """bench.py --interleave's engine: kept up between prompt sets, warmed up 8 at a time and then
+    measured at batch 2; the turns, merged, are plain vLLM's output with vLLM's counters summed."""
+    half = len(heldout_prompts) // 2
+    spec = {"method": "lookahead", "num_speculative_tokens": 4, "goodput": False}
+    eng = EngineProcess(_job(default_model, [], spec, 2, warm=heldout_prompts[:8], warm_batch=8,
+                             report_plugin_state=True))
+    try:
+        a, b = (eng.group("all", rows) for rows in (heldout_prompts[:half], heldout_prompts[half:]))
+        fin = eng.finish()
+    finally:
+        eng.close()
+    got = merge_groups(a, b)
+    assert got["outputs"] == plain["outputs"]
+    for k in ("accepted", "draft_tokens", "generated_tokens"):
+        assert got[k] == a[k] + b[k] and a[k] > 0 and b[k] > 0
+    assert got["generated_tokens"] == sum(len(o[0]) for o in got["outputs"])
+    assert got["tau"] == pytest.approx(got["generated_tokens"] / (got["generated_tokens"] - got["accepted"]))
+    assert fin["plugin_state"][0]["requests"] <= 1
 
 
 @pytest.mark.parametrize("drafts", [pytest.param("chain", marks=pytest.mark.slow), "tree", "mamba"])

@@ -20,6 +20,7 @@ ENGINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_LOGGING_LEVEL": "WARNING",
 }
+_MARK = "@@RESULT@@"      # starts the child's result on stdout (vLLM may log there too)
 
 
 def spec_metrics(llm) -> dict:
@@ -67,41 +68,56 @@ def run(job: dict) -> dict:
     tag_category (requests carry extra_args={"category": group name}), warm (rows served first,
     not measured), warm_batch (serve them this many at a time: the engine gets that many request
     slots, and admits only batch_size at a time after the warm-up)."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    t0 = time.perf_counter()
-    batch = job.get("batch_size", 1)
-    slots = max(batch, job.get("warm_batch") or 0) if job.get("warm") else batch
-    llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"),
-              speculative_config=job.get("speculative_config"),
-              max_model_len=job.get("max_model_len", 2048),
-              max_num_seqs=slots, seed=job.get("seed", 0),
-              enable_prefix_caching=job.get("enable_prefix_caching", False), disable_log_stats=False,
-              **job.get("llm_kwargs", {}))
-    startup = time.perf_counter() - t0
-    tok = llm.get_tokenizer()
-    sp = dict(max_tokens=job.get("max_tokens", 64), temperature=job.get("temperature", 0.0),
-              seed=job.get("sample_seed"), ignore_eos=job.get("ignore_eos", False))
-    for key in ("top_p", "top_k", "n", "logprobs"):
-        if key in job:
-            sp[key] = job[key]
-    params = SamplingParams(**sp)
-    llm.generate([TokensPrompt(prompt_token_ids=tok.encode("Hello"))],
-                 SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
-    if job.get("warm"):     # served first, not measured (state shared across requests warms up)
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in to_token_prompts(tok, job["warm"])],
-                     params, use_tqdm=False)
-        if slots > batch:   # measured at batch_size: vLLM's admission cap (in-process engine)
-            llm.llm_engine.engine_core.engine_core.scheduler.max_num_active_reqs = batch
-    result = {"startup_s": startup, "groups": {}}
-    if job.get("report_plugin_state"):
-        from vllm_spec_plugins.proposer import plugin_steps
+    eng = _Engine(job)
     for name, rows in job["groups"].items():
+        eng.result["groups"][name] = eng.group(name, rows)
+    return eng.finish()
+
+
+class _Engine:
+    """One engine of a job: `group` serves a prompt set and returns its measurements."""
+
+    def __init__(self, job: dict):
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        t0 = time.perf_counter()
+        batch = job.get("batch_size", 1)
+        slots = max(batch, job.get("warm_batch") or 0) if job.get("warm") else batch
+        self.job = job
+        self.llm = llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"),
+                             speculative_config=job.get("speculative_config"),
+                             max_model_len=job.get("max_model_len", 2048),
+                             max_num_seqs=slots, seed=job.get("seed", 0),
+                             enable_prefix_caching=job.get("enable_prefix_caching", False),
+                             disable_log_stats=False, **job.get("llm_kwargs", {}))
+        startup = time.perf_counter() - t0
+        self.tok = tok = llm.get_tokenizer()
+        self.sp = sp = dict(max_tokens=job.get("max_tokens", 64), temperature=job.get("temperature", 0.0),
+                            seed=job.get("sample_seed"), ignore_eos=job.get("ignore_eos", False))
+        for key in ("top_p", "top_k", "n", "logprobs"):
+            if key in job:
+                sp[key] = job[key]
+        llm.generate([TokensPrompt(prompt_token_ids=tok.encode("Hello"))],
+                     SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
+        if job.get("warm"):     # served first, not measured (state shared across requests warms up)
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in to_token_prompts(tok, job["warm"])],
+                         SamplingParams(**sp), use_tqdm=False)
+            if slots > batch:   # measured at batch_size: vLLM's admission cap (in-process engine)
+                llm.llm_engine.engine_core.engine_core.scheduler.max_num_active_reqs = batch
+        self.result = {"startup_s": startup, "groups": {}}
+
+    def group(self, name: str, rows: list) -> dict:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        job, llm, sp = self.job, self.llm, self.sp
         if job.get("report_plugin_state"):
-            result.setdefault("group_start_step", {})[name] = llm.collective_rpc(plugin_steps)[0]
-        prompts = to_token_prompts(tok, rows)
+            from vllm_spec_plugins.proposer import plugin_steps
+            self.result.setdefault("group_start_step", {}).setdefault(name, llm.collective_rpc(plugin_steps)[0])
+        prompts = to_token_prompts(self.tok, rows)
         per_request = job.get("per_request_params")
+        params = SamplingParams(**sp)
         if job.get("tag_category"):      # SamplingParams.extra_args: a key for bandit_tree's scope
             params = SamplingParams(**sp, extra_args={"category": name})
         m0 = spec_metrics(llm)
@@ -120,27 +136,50 @@ def run(job: dict) -> dict:
         token_ids = [[list(c.token_ids) for c in o.outputs] for o in outs]
         n_gen = sum(len(c) for t in token_ids for c in t)
         steps = n_gen - m["accepted"]   # each target step yields accepted drafts + 1 token
-        result["groups"][name] = {
-            "outputs": token_ids, "texts": [[c.text for c in o.outputs] for o in outs],
-            "prompt_token_ids": prompts,
-            "seconds": dt, "generated_tokens": n_gen, "tokens_per_s": n_gen / dt if dt else 0.0,
-            "tau": n_gen / steps if steps else 0.0, **m,
-        }
+        g = {"outputs": token_ids, "texts": [[c.text for c in o.outputs] for o in outs],
+             "prompt_token_ids": prompts,
+             "seconds": dt, "generated_tokens": n_gen, "tokens_per_s": n_gen / dt if dt else 0.0,
+             "tau": n_gen / steps if steps else 0.0, **m}
         if job.get("report_plugin_stats"):      # the proposer's own counters over this group
             s1 = llm.collective_rpc(plugin_stats)[0]
-            result["groups"][name]["plugin_stats"] = {      # counters: difference; lists: new entries
+            g["plugin_stats"] = {      # counters: difference; lists: new entries
                 k: v[len(s0.get(k, ())):] if isinstance(v, list) else v - s0.get(k, 0) for k, v in s1.items()}
         if job.get("logprobs") is not None:
-            result["groups"][name]["logprobs"] = [
+            g["logprobs"] = [
                 [[{str(t): lp.logprob for t, lp in pos.items()} for pos in (c.logprobs or [])]
                  for c in o.outputs] for o in outs]
-    if job.get("report_plugin_state"):
-        # Finished requests are released on the engine's next step: run one tiny request first.
-        llm.generate([TokensPrompt(prompt_token_ids=tok.encode("Hi"))],
-                     SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
-        from vllm_spec_plugins.proposer import plugin_state_summary
-        result["plugin_state"] = llm.collective_rpc(plugin_state_summary)
-    return result
+        return g
+
+    def finish(self) -> dict:
+        if self.job.get("report_plugin_state"):
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+
+            from vllm_spec_plugins.proposer import plugin_state_summary
+            # Finished requests are released on the engine's next step: run one tiny request first.
+            self.llm.generate([TokensPrompt(prompt_token_ids=self.tok.encode("Hi"))],
+                              SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+            self.result["plugin_state"] = self.llm.collective_rpc(plugin_state_summary)
+        return self.result
+
+
+def merge_groups(a: dict, b: dict) -> dict:
+    """One group's measurements over two prompt sets served one after the other (`EngineProcess`
+    turns): lists concatenate, counts add, rates are recomputed."""
+    out = dict(a)
+    for k in ("outputs", "texts", "prompt_token_ids", "logprobs"):
+        if k in a:
+            out[k] = a[k] + b[k]
+    for k in ("seconds", "generated_tokens", "drafts", "draft_tokens", "accepted", "preemptions"):
+        out[k] = a[k] + b[k]
+    pa, pb = a["accepted_per_pos"], b["accepted_per_pos"]
+    out["accepted_per_pos"] = [x + y for x, y in zip(pa + [0] * (len(pb) - len(pa)), pb + [0] * (len(pa) - len(pb)))]
+    if "plugin_stats" in a:
+        out["plugin_stats"] = {k: a["plugin_stats"][k] + v for k, v in b["plugin_stats"].items()}
+    steps = out["generated_tokens"] - out["accepted"]
+    out["tokens_per_s"] = out["generated_tokens"] / out["seconds"] if out["seconds"] else 0.0
+    out["tau"] = out["generated_tokens"] / steps if steps else 0.0
+    return out
 
 
 def _generate_with_aborts(llm, prompts, params, after_steps: int, indices: list[int]):
@@ -169,13 +208,78 @@ def run_isolated(job: dict, env: dict | None = None, timeout: float = 1800) -> d
     full_env.setdefault("OMP_NUM_THREADS", "1")
     p = subprocess.run([sys.executable, "-m", "vllm_spec_plugins.runner"], input=json.dumps(job),
                        capture_output=True, text=True, env=full_env, timeout=timeout)
-    marker = "\n@@RESULT@@"
+    marker = "\n" + _MARK
     if p.returncode != 0 or marker not in p.stdout:
         raise RuntimeError(f"engine run failed (rc={p.returncode}):\n{p.stderr[-4000:]}")
     # worker processes (tensor parallel) may still print at shutdown: read the one JSON object
     return json.JSONDecoder().raw_decode(p.stdout.split(marker, 1)[1])[0]
 
 
+class EngineProcess:
+    """`run`'s engine in its own process, kept up between calls: `group(name, rows)` serves one
+    prompt set and returns its measurements (as `run`'s groups), `finish()` the rest of `run`'s
+    result. scripts/bench.py --interleave keeps one per method and serves each a turn in rotation,
+    so this host's drifting speed hits every method alike."""
+
+    def __init__(self, job: dict, env: dict | None = None):
+        import tempfile
+        full_env = {**os.environ, **ENGINE_ENV, **(env or {})}
+        full_env.setdefault("OMP_NUM_THREADS", "1")
+        self.err = tempfile.TemporaryFile(mode="w+")
+        self.p = subprocess.Popen([sys.executable, "-m", "vllm_spec_plugins.runner", "--serve"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
+                                  text=True, env=full_env)
+        self._call(job)
+
+    def _call(self, msg: dict) -> dict:
+        try:
+            self.p.stdin.write(json.dumps(msg) + "\n")
+            self.p.stdin.flush()
+            for line in self.p.stdout:          # vLLM may log to stdout: skip to our line
+                if line.startswith(_MARK):
+                    return json.loads(line[len(_MARK):])
+        except BrokenPipeError:
+            pass
+        self.close()
+        self.err.seek(0)
+        raise RuntimeError(f"engine process failed (rc={self.p.returncode}):\n{self.err.read()[-4000:]}")
+
+    def group(self, name: str, rows: list) -> dict:
+        return self._call({"group": name, "rows": rows})
+
+    def finish(self) -> dict:
+        out = self._call({"finish": True})
+        self.close()
+        return out
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            self.p.stdin.close()
+            try:
+                self.p.wait(60)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+
+
+def _serve() -> None:
+    """The child side of `EngineProcess`: a job line, then {"group", "rows"} lines, then {"finish"}."""
+    def reply(obj):
+        sys.stdout.write("\n" + _MARK + json.dumps(obj) + "\n")
+        sys.stdout.flush()
+    eng = _Engine(json.loads(sys.stdin.readline()))
+    reply({"startup_s": eng.result["startup_s"]})
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg.get("finish"):
+            reply(eng.finish())
+            return
+        reply(eng.group(msg["group"], msg["rows"]))
+
+
 if __name__ == "__main__":
-    res = run(json.loads(sys.stdin.read()))
-    sys.stdout.write("\n@@RESULT@@" + json.dumps(res))
+    if sys.argv[1:] == ["--serve"]:
+        _serve()
+    else:
+        res = run(json.loads(sys.stdin.read()))
+        sys.stdout.write("\n" + _MARK + json.dumps(res))

@@ -90,10 +90,10 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
 
 def test_engine_process_serves_turns(default_model, heldout_prompts, plain):
     """bench.py --interleave's engine: kept up between prompt sets, warmed up 8 at a time and then
-    measured at batch 2; the turns, merged, are plain vLLM's output with vLLM's counters summed."""
+    measured at batch 4; the turns, merged, are plain vLLM's output with vLLM's counters summed."""
     half = len(heldout_prompts) // 2
     spec = {"method": "lookahead", "num_speculative_tokens": 4, "goodput": False}
-    eng = EngineProcess(_job(default_model, [], spec, 2, warm=heldout_prompts[:8], warm_batch=8,
+    eng = EngineProcess(_job(default_model, [], spec, 4, warm=heldout_prompts[:8], warm_batch=8,
                              report_plugin_state=True))
     try:
         a, b = (eng.group("all", rows) for rows in (heldout_prompts[:half], heldout_prompts[half:]))

@@ -134,12 +134,9 @@ class _Engine:
         dt = time.perf_counter() - t0
         m = _diff(m0, spec_metrics(llm))
         token_ids = [[list(c.token_ids) for c in o.outputs] for o in outs]
-        n_gen = sum(len(c) for t in token_ids for c in t)
-        steps = n_gen - m["accepted"]   # each target step yields accepted drafts + 1 token
-        g = {"outputs": token_ids, "texts": [[c.text for c in o.outputs] for o in outs],
-             "prompt_token_ids": prompts,
-             "seconds": dt, "generated_tokens": n_gen, "tokens_per_s": n_gen / dt if dt else 0.0,
-             "tau": n_gen / steps if steps else 0.0, **m}
+        g = _with_rates({"outputs": token_ids, "texts": [[c.text for c in o.outputs] for o in outs],
+                         "prompt_token_ids": prompts, "seconds": dt,
+                         "generated_tokens": sum(len(c) for t in token_ids for c in t), **m})
         if job.get("report_plugin_stats"):      # the proposer's own counters over this group
             s1 = llm.collective_rpc(plugin_stats)[0]
             g["plugin_stats"] = {      # counters: difference; lists: new entries
@@ -176,10 +173,13 @@ def merge_groups(a: dict, b: dict) -> dict:
     out["accepted_per_pos"] = [x + y for x, y in zip(pa + [0] * (len(pb) - len(pa)), pb + [0] * (len(pa) - len(pb)))]
     if "plugin_stats" in a:
         out["plugin_stats"] = {k: a["plugin_stats"][k] + v for k, v in b["plugin_stats"].items()}
-    steps = out["generated_tokens"] - out["accepted"]
-    out["tokens_per_s"] = out["generated_tokens"] / out["seconds"] if out["seconds"] else 0.0
-    out["tau"] = out["generated_tokens"] / steps if steps else 0.0
-    return out
+    return _with_rates(out)
+
+
+def _with_rates(g: dict) -> dict:
+    """tokens_per_s and tau of a group from its counts (each target step yields accepted drafts + 1)."""
+    n, steps = g["generated_tokens"], g["generated_tokens"] - g["accepted"]
+    return g | {"tokens_per_s": n / g["seconds"] if g["seconds"] else 0.0, "tau": n / steps if steps else 0.0}
 
 
 def _generate_with_aborts(llm, prompts, params, after_steps: int, indices: list[int]):
@@ -202,12 +202,16 @@ def _generate_with_aborts(llm, prompts, params, after_steps: int, indices: list[
     return [last.get(rid, empty) for rid in ids]   # aborted before its first token: nothing
 
 
+def _child_env(env: dict | None) -> dict:
+    out = {**os.environ, **ENGINE_ENV, **(env or {})}
+    out.setdefault("OMP_NUM_THREADS", "1")
+    return out
+
+
 def run_isolated(job: dict, env: dict | None = None, timeout: float = 1800) -> dict:
     """`run(job)` in a fresh Python process; raises with the child's stderr tail on failure."""
-    full_env = {**os.environ, **ENGINE_ENV, **(env or {})}
-    full_env.setdefault("OMP_NUM_THREADS", "1")
     p = subprocess.run([sys.executable, "-m", "vllm_spec_plugins.runner"], input=json.dumps(job),
-                       capture_output=True, text=True, env=full_env, timeout=timeout)
+                       capture_output=True, text=True, env=_child_env(env), timeout=timeout)
     marker = "\n" + _MARK
     if p.returncode != 0 or marker not in p.stdout:
         raise RuntimeError(f"engine run failed (rc={p.returncode}):\n{p.stderr[-4000:]}")
@@ -223,12 +227,10 @@ class EngineProcess:
 
     def __init__(self, job: dict, env: dict | None = None):
         import tempfile
-        full_env = {**os.environ, **ENGINE_ENV, **(env or {})}
-        full_env.setdefault("OMP_NUM_THREADS", "1")
         self.err = tempfile.TemporaryFile(mode="w+")
         self.p = subprocess.Popen([sys.executable, "-m", "vllm_spec_plugins.runner", "--serve"],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
-                                  text=True, env=full_env)
+                                  text=True, env=_child_env(env))
         self._call(job)
 
     def _call(self, msg: dict) -> dict:

@@ -109,7 +109,6 @@ def test_engine_process_serves_turns(default_model, heldout_prompts, plain):
     assert fin["plugin_state"][0]["requests"] <= 1
 
 
-
 def test_bench_engines_keep_the_openmp_default_wait_policy(monkeypatch):
     """Benchmark engines must not inherit OMP_WAIT_POLICY=PASSIVE (this suite's setting): it
     slows vLLM's CPU decode ~40% at batch 1 (README, session 16). bench.py passes None."""
@@ -119,6 +118,7 @@ def test_bench_engines_keep_the_openmp_default_wait_policy(monkeypatch):
     assert "OMP_WAIT_POLICY" not in _child_env({"OMP_WAIT_POLICY": None, "OMP_NUM_THREADS": "2"})
     assert _child_env({})["OMP_WAIT_POLICY"] == "PASSIVE"       # inherited unless removed
     assert _child_env({"OMP_NUM_THREADS": "2"})["OMP_NUM_THREADS"] == "2"
+
 
 @pytest.mark.parametrize("drafts", [pytest.param("chain", marks=pytest.mark.slow), "tree", "mamba"])
 def test_preemption_and_aborts_keep_output_and_free_state(drafts, default_model, heldout_prompts, plain,

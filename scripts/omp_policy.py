@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -59,14 +58,12 @@ def main() -> None:
         print("@@" + json.dumps(_child(a.prompts, a.max_tokens, a.child == "numba")), flush=True)
         return
     from tqdm import tqdm
+
+    from vllm_spec_plugins.runner import _child_env
     rows = []
     for policy, numba in tqdm(VARIANTS, desc="variants", unit="engine"):
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-               "OMP_NUM_THREADS": str(a.threads), "NUMBA_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-               "TOKENIZERS_PARALLELISM": "false"}
-        env.pop("OMP_WAIT_POLICY", None)
-        if policy:
-            env["OMP_WAIT_POLICY"] = policy
+        env = _child_env({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(a.threads),
+                          "OMP_WAIT_POLICY": policy})      # None: the runtime's default
         out = subprocess.run([sys.executable, __file__, "--child", "numba" if numba else "plain",
                               "--prompts", str(a.prompts), "--max-tokens", str(a.max_tokens)],
                              env=env, capture_output=True, text=True)

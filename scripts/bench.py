@@ -333,8 +333,12 @@ def summarize(res: dict, plain: dict, greedy: bool) -> dict:
     return out
 
 
-def classify_mismatches(results, plain_lp, dtype):
-    """bf16: top-2 margin of the target (plain run, logprobs=2) at the first differing token."""
+def classify_mismatches(results, plain_lp, dtype, plain=None):
+    """bf16: top-2 margin of the target (plain run, logprobs=2) at the first differing token.
+    That run is a second plain run: at batch > 1 its batches differ from the measured plain
+    run's, and bf16 near-ties can send it down another text first. Where its output left
+    `plain`'s (the measured plain run) before the token, its margin there is for another text:
+    kind "unknown", with `reference_diverged_at`."""
     for name, cats in results.items():
         for cat, row in cats.items():
             diffs = row.pop("_first_diff", None)
@@ -344,10 +348,14 @@ def classify_mismatches(results, plain_lp, dtype):
             for i, d in enumerate(diffs):
                 if d is None:
                     continue
-                margin = None
+                margin, note = None, {}
                 if plain_lp is not None:
                     lps = plain_lp["groups"][cat]["logprobs"][i][0]
-                    if d < len(lps):
+                    ref = first_diff(plain_lp["groups"][cat]["outputs"][i][0][:d],
+                                     plain["groups"][cat]["outputs"][i][0][:d]) if plain is not None else None
+                    if ref is not None:
+                        note = {"reference_diverged_at": ref}
+                    elif d < len(lps):
                         vals = sorted(lps[d].values(), reverse=True)
                         margin = vals[0] - vals[1] if len(vals) > 1 else None
                 if dtype == "float32":
@@ -356,7 +364,7 @@ def classify_mismatches(results, plain_lp, dtype):
                     kind = "unknown"
                 else:
                     kind = "near-tie" if margin <= NEAR_TIE + NEAR_TIE_TOL else "BUG"
-                notes.append({"prompt": i, "first_diff_token": d, "top2_margin": margin, "kind": kind})
+                notes.append({"prompt": i, "first_diff_token": d, "top2_margin": margin, "kind": kind, **note})
             row["mismatch_analysis"] = notes
 
 
@@ -588,7 +596,7 @@ def main(argv=None):
     mismatch = any(not row.get("identical_to_plain", True) for rows in results.values() for row in rows.values())
     if greedy and mismatch:
         plain_lp = run_isolated({**base, "speculative_config": None, "logprobs": 2}, env=env)
-    classify_mismatches(results, plain_lp, args.dtype)
+    classify_mismatches(results, plain_lp, args.dtype, raw["plain"])
     out = {"results": results,
            "config": {k: v for k, v in vars(args).items()} | {"model": model,
                                                                 "method_configs": configs,

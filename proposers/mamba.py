@@ -34,6 +34,14 @@ def rms_norm(x, w, eps):
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
+def _lin(layer, x):
+    """`layer(x)` in the weight's dtype (a bf16 drafter reads half the bytes), result in x's dtype."""
+    w = layer.weight
+    if w.dtype == torch.float32:      # (training: autocast decides)
+        return layer(x)
+    return F.linear(x.to(w.dtype), w).to(x.dtype)
+
+
 def ssd_scan(x, dt, A, B, C, chunk: int, h0=None):
     """Chunked parallel scan of h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t.
     x [b, T, H, P], dt [b, T, H], A [H], B/C [b, T, N], h0 [b, H, P, N] -> y [b, T, H, P], h_T."""
@@ -95,12 +103,12 @@ class Mamba2Mixer(torch.nn.Module):
     def _out(self, y, xs, z):
         y = y + xs * self.D[:, None]
         y = y.flatten(-2) * F.silu(z)
-        return self.out_proj(rms_norm(y, self.norm_w, self.eps))
+        return _lin(self.out_proj, rms_norm(y, self.norm_w, self.eps))
 
     def forward(self, u, state=None):
         """u [b, T, d] -> (out [b, T, d], (conv window [b, conv_dim, K-1], ssm [b, H, P, N]))."""
         b, T, _ = u.shape
-        z, xbc, dt = self._split(self.in_proj(u))
+        z, xbc, dt = self._split(_lin(self.in_proj, u))
         xbc = xbc.transpose(1, 2)                                       # [b, conv_dim, T]
         prev = torch.zeros(b, self.conv_dim, self.K - 1, dtype=u.dtype) if state is None else state[0]
         full = torch.cat([prev, xbc], -1)
@@ -112,7 +120,7 @@ class Mamba2Mixer(torch.nn.Module):
 
     def step(self, u, state):
         """One token per row: u [b, d]; the recurrent form of `forward`."""
-        z, xbc, dt = self._split(self.in_proj(u))
+        z, xbc, dt = self._split(_lin(self.in_proj, u))
         win = torch.cat([state[0], xbc[..., None]], -1)                # [b, conv_dim, K]
         conv = F.silu((win * self.conv_w).sum(-1) + self.conv_b)
         xs, B, C = conv.split([self.di, self.N, self.N], -1)
@@ -127,7 +135,7 @@ class Mamba2Mixer(torch.nn.Module):
         (out [b, T, d], (conv windows [b, T, conv_dim, K-1], ssm [b, T, H, P, N])). The
         projections and the convolution are batched over T; only the state update loops."""
         b, T, _ = u.shape
-        z, xbc, dt = self._split(self.in_proj(u))
+        z, xbc, dt = self._split(_lin(self.in_proj, u))
         full = torch.cat([state[0], xbc.transpose(1, 2)], -1)          # [b, conv_dim, K-1+T]
         conv = F.silu(F.conv1d(full, self.conv_w[:, None], self.conv_b, groups=self.conv_dim)).transpose(1, 2)
         xs, B, C = conv.split([self.di, self.N, self.N], -1)
@@ -226,7 +234,20 @@ class StateSpaceDrafter(torch.nn.Module):
 
     def logits(self, h):
         """Logits over the draft vocabulary (index i is target token draft_vocab[i])."""
-        return h @ self.head.T
+        if self.head.dtype == torch.float32:
+            return h @ self.head.T
+        return (h.to(self.head.dtype) @ self.head.T).to(h.dtype)
+
+    def matmuls_in(self, dtype: torch.dtype) -> "StateSpaceDrafter":
+        """Store the mixers' projections and the head in `dtype` (their matmuls then run in it);
+        states, norms, convolution and scan stay float32. A bf16 drafter step costs about half
+        of a float32 one here (2 CPU cores: the head alone 0.25 against 1.2 ms): these matmuls
+        read every weight once per token, and the bytes are the cost."""
+        for layer in self.layers:
+            for m in (layer.in_proj, layer.out_proj):
+                m.weight.data = m.weight.data.to(dtype)
+        self.head = self.head.to(dtype)
+        return self
 
     def state_nbytes(self, states) -> int:
         return sum(t.numel() * t.element_size() for st in states for t in st)
@@ -286,6 +307,9 @@ class MambaProposer(Proposer):
     #: slots allocated up front (each k+1 snapshots, ~0.6 MiB apiece for the shipped drafter): not
     #: vLLM's max_num_seqs, which defaults to hundreds
     PREALLOC = 16
+    #: catch-ups of at most this many tokens (a tree's sibling, an accepted last draft, a skipped
+    #: step) run as recurrent steps: the chunked scan pads them to a whole chunk
+    STEP_SCAN = 4
 
     def __init__(self, num_speculative_tokens: int, drafter: StateSpaceDrafter, max_requests: int = 8):
         super().__init__(num_speculative_tokens)
@@ -299,6 +323,7 @@ class MambaProposer(Proposer):
         self._grow(max(1, min(max_requests, self.PREALLOC)))   # grows by doubling past that
         self.states = self.slots                   # what plugin_state_summary counts
         self.spine: dict[str, list[int]] = {}     # req_id -> greedy chain of the last tree drafted (`draft_tree`)
+        self.last_snap: dict[str, int] = {}       # req_id -> last valid snapshot, when below k (`_draft`)
 
     @property
     def capacity(self) -> int:
@@ -318,6 +343,7 @@ class MambaProposer(Proposer):
         slot = self.slots.pop(req_id, None)
         self.ntok.pop(req_id, None)
         self.spine.pop(req_id, None)
+        self.last_snap.pop(req_id, None)
         if slot is not None:
             self.free.append(slot)
 
@@ -337,9 +363,14 @@ class MambaProposer(Proposer):
         """Snapshot 0 := the state after `tokens`, fed from snapshot `snap` (None: from scratch)."""
         slot = self._slot(req_id)
         if len(tokens):
-            ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))[None]
+            ids = torch.from_numpy(np.array(tokens, dtype=np.int64))[None]
             init = None if snap is None else [(c[slot, snap][None], s[slot, snap][None]) for c, s in self.buf]
-            _, st = self.d(ids, init)
+            if init is not None and ids.shape[1] <= self.STEP_SCAN:
+                st = init              # a short catch-up: recurrent steps, not a scan padded to a chunk
+                for t in range(ids.shape[1]):
+                    _, st = self.d.step(ids[:, t], st)
+            else:
+                _, st = self.d(ids, init)
             for (c, s), (cs, ss) in zip(self.buf, st):
                 c[slot, 0], s[slot, 0] = cs[0], ss[0]
         elif snap is None:
@@ -354,17 +385,19 @@ class MambaProposer(Proposer):
         the last. Last step's drafts accepted: snapshot[accepted] (`a`: accepted tokens that are
         the drafter's own chain, default all accepted). Tokens the drafter has not seen (steps
         without drafts, a tree's sibling): a scan of just those, from the last valid snapshot.
-        New, resumed after preemption, or out of step: one scan over the whole request."""
+        New, resumed after preemption, or out of step: one scan over the whole request. Past the
+        last valid snapshot (`_draft` does not feed its last draft): a scan from that one."""
         rid, n = req.req_id, len(req.token_ids)
         a = req.num_accepted if a is None else a
         prev = self.ntok.get(rid)
         if prev is None or a > self.k or prev + a > n - 1:
             self._scan(rid, req.token_ids[:n - 1], None)
             return 0
-        if prev + a < n - 1:
-            self._scan(rid, req.token_ids[prev + a:n - 1], a)
+        s = min(a, self.last_snap.get(rid, self.k))
+        if prev + s < n - 1:
+            self._scan(rid, req.token_ids[prev + s:n - 1], s)
             return 0
-        return a
+        return s
 
     def _skip(self, req, a: int | None = None) -> None:
         """A step without drafts for this request: keep the state of what was accepted."""
@@ -374,7 +407,8 @@ class MambaProposer(Proposer):
         if a > self.k or prev + a > len(req.token_ids) - 1:
             self.release(req.req_id)
             return
-        self._scan(req.req_id, req.token_ids[:0], a)   # snapshot a -> snapshot 0
+        s = min(a, self.last_snap.get(req.req_id, self.k))
+        self._scan(req.req_id, req.token_ids[prev + s:prev + a], s)   # snapshot a (or s + scan) -> snapshot 0
         self.ntok[req.req_id] = prev + a
 
     @torch.no_grad()
@@ -393,8 +427,9 @@ class MambaProposer(Proposer):
     @torch.no_grad()
     def _draft(self, ctx: StepContext, rows, depth: int, width: int, tree: bool = False):
         """One drafter pass for rows `rows` of the batch (the other live rows skip): the state
-        after each row's tokens, then `depth` greedy recurrent steps, snapshot j = the state after
-        j drafts; at each step its top `width` (ids, probabilities). Returns (rows drafted,
+        after each row's tokens, then greedy recurrent steps, snapshot j = the state after j
+        drafts (j < depth: the last draft is fed next step, only if it was accepted, which saves
+        one step of k+1); at each step its top `width` (ids, probabilities). Returns (rows drafted,
         ids [rows, depth, width], probs [rows, depth, width]), still on the device (static
         shapes, no host sync in the loop). `tree`: last step's drafts were `draft_tree`'s, whose
         accepted path may leave the greedy chain (`_on_spine`)."""
@@ -413,20 +448,20 @@ class MambaProposer(Proposer):
             snap.append(self._before_last(req, a))
             sel.append(i), slots.append(self.slots[req.req_id]), last.append(int(req.token_ids[-1]))
             self.ntok[req.req_id] = len(req.token_ids)
+            self.last_snap[req.req_id] = depth - 1
         if not sel:
             return sel, None, None
         sl, sn = torch.tensor(slots), torch.tensor(snap)
         h, st = self.d.step(torch.tensor(last), [(c[sl, sn], s[sl, sn]) for c, s in self.buf])
         toks, probs = [], []
-        for j in range(depth + 1):
+        for j in range(depth):
             for (c, s), (cb, sb) in zip(st, self.buf):
                 cb[sl, j], sb[sl, j] = c, s
-            if j == depth:
-                break
             p, t = torch.softmax(self.d.logits(h), -1).topk(width, -1)
             t = self.d.draft_vocab[t]
             toks.append(t), probs.append(p)
-            h, st = self.d.step(t[:, 0], st)
+            if j + 1 < depth:   # the last draft is fed only if accepted, next step (`_before_last`)
+                h, st = self.d.step(t[:, 0], st)
         return sel, torch.stack(toks, 1), torch.stack(probs, 1)
 
     def _on_spine(self, req) -> int:
@@ -471,8 +506,10 @@ class MambaProposer(Proposer):
         return out
 
 
-def load_drafter(path, embed: torch.Tensor, head: torch.Tensor) -> StateSpaceDrafter:
-    """A drafter folder (config.json + model.safetensors) over the target's embeddings / head."""
+def load_drafter(path, embed: torch.Tensor, head: torch.Tensor,
+                 matmul_dtype: torch.dtype = torch.float32) -> StateSpaceDrafter:
+    """A drafter folder (config.json + model.safetensors) over the target's embeddings / head;
+    its matmuls in `matmul_dtype` (`StateSpaceDrafter.matmuls_in`)."""
     import json
     from pathlib import Path
 
@@ -481,4 +518,4 @@ def load_drafter(path, embed: torch.Tensor, head: torch.Tensor) -> StateSpaceDra
     w = load_file(str(Path(path) / "model.safetensors"))
     d = StateSpaceDrafter(cfg, embed, head.float(), w["draft_vocab"]).float()
     d.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in w.items()})
-    return d.eval()
+    return (d if matmul_dtype == torch.float32 else d.matmuls_in(matmul_dtype)).eval()

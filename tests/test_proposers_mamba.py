@@ -121,6 +121,36 @@ def test_proposer_matches_replay_and_frees_state():
     assert not prop.slots and len(prop.free) == prop.capacity
 
 
+def test_bf16_matmuls_halve_the_weights_and_keep_the_proposer_exact():
+    """`matmuls_in(bf16)`: projections and head in bf16 (half the bytes a drafted token reads),
+    states float32, outputs close to the float32 drafter's; the proposer still drafts exactly what
+    that drafter predicts (snapshots, and the last draft fed only when accepted)."""
+    d32, d16 = drafter(), drafter().matmuls_in(torch.bfloat16)
+    b32 = sum(m.weight.nbytes for L in d32.layers for m in (L.in_proj, L.out_proj)) + d32.head.nbytes
+    assert sum(m.weight.nbytes for L in d16.layers for m in (L.in_proj, L.out_proj)) + d16.head.nbytes == b32 // 2
+    ids = torch.randint(0, V, (1, 23))
+    with torch.no_grad():
+        (h32, s32), (h16, s16) = d32(ids), d16(ids)
+        assert h16.dtype == torch.float32 and all(t.dtype == torch.float32 for st in s16 for t in st)
+        l16, l32 = d16.logits(h16), d32.logits(h32)
+        assert (l16 - l32).abs().max() < 0.03 * l32.abs().max()      # bf16: 8 bits of mantissa
+    torch.manual_seed(3)
+    prompts = {f"r{r}": torch.randint(0, V, (9 + r,)).tolist() for r in range(2)}
+    answers = {}
+    for r, p in prompts.items():     # the bf16 drafter's own greedy text, every 4th token changed
+        seq = list(p)
+        with torch.no_grad():
+            for j in range(24):
+                h, _ = d16(torch.tensor([seq]))
+                t = int(d16.draft_vocab[d16.logits(h[:, -1]).argmax(-1)])
+                seq.append(t if j % 4 else (t + 1) % V)
+        answers[r] = seq[len(p):]
+    acc, steps = _run(MambaProposer(3, d16), d16, prompts, answers)
+    for r in prompts:
+        assert (steps[r], acc[r]) == greedy_chain_accepted(d16, prompts[r], answers[r], 3)
+        assert acc[r] > 0
+
+
 def test_proposer_recovers_from_preemption_and_out_of_step_rows():
     d = drafter()
     prop = MambaProposer(3, d)

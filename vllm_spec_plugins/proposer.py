@@ -31,11 +31,22 @@ def target_embeddings(target_dir: str):
     return emb, found.get("lm_head.weight", emb).float()
 
 
-def build_proposer(params: dict, max_requests: int = 8) -> Proposer:
+def _drafter(model: str, target: str, dtype):
+    """The Mamba drafter in folder `model` over the target's embeddings and head; its matmuls in
+    bf16 when the target runs in bf16 (as vLLM runs a draft model in the target's dtype), else
+    in float32."""
+    import torch
+
+    from vllm_spec_plugins.proposers.mamba import load_drafter
+    return load_drafter(model, *target_embeddings(target), torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+
+
+def build_proposer(params: dict, max_requests: int = 8, dtype=None) -> Proposer:
+    """`dtype`: the target's (a Mamba drafter's matmuls follow it, `_drafter`)."""
     p = dict(params)
     if p.pop("goodput", False) and p.get("method") in ("lookahead", "mamba", "cascade") and not p.get("tree"):
         from vllm_spec_plugins.proposers.goodput import Goodput   # chains; lookahead's trees keep tree_nodes
-        return Goodput(build_proposer(p, max_requests))
+        return Goodput(build_proposer(p, max_requests, dtype))
     method = p.pop("method")
     k = p.pop("num_speculative_tokens")
     vocab = p.pop("vocab_size", None)
@@ -49,24 +60,22 @@ def build_proposer(params: dict, max_requests: int = 8) -> Proposer:
         shapes = p.pop("shapes") or None
         drafter, model = p.pop("drafter"), p.pop("model", "")   # validated: "lookahead" or "mamba" + model
         if drafter == "mamba":
-            from vllm_spec_plugins.proposers.mamba import load_drafter
             if "target" not in p:
                 raise ValueError("bandit_tree's drafter 'mamba' needs the target folder (params['target']), "
                                  "set by the config hook")
-            p["drafter"] = load_drafter(model, *target_embeddings(p.pop("target")))
+            p["drafter"] = _drafter(model, p.pop("target"), dtype)
             p["shared_pool"] = 0      # the Mamba drafter drafts; no n-gram table to fill
         return BanditTreeProposer(k, vocab_size=vocab, shapes=shapes, max_requests=max_requests, **p)
     if method == "mamba":
-        from vllm_spec_plugins.proposers.mamba import MambaProposer, load_drafter
+        from vllm_spec_plugins.proposers.mamba import MambaProposer
         if "target" not in p:
             raise ValueError("method 'mamba' needs the target folder (params['target']), set by the config hook")
-        return MambaProposer(k, load_drafter(p["model"], *target_embeddings(p["target"])), max_requests)
+        return MambaProposer(k, _drafter(p["model"], p["target"], dtype), max_requests)
     if method == "cascade":
         from vllm_spec_plugins.proposers.cascade import CascadeProposer
-        from vllm_spec_plugins.proposers.mamba import load_drafter
         if "target" not in p:
             raise ValueError("method 'cascade' needs the target folder (params['target']), set by the config hook")
-        return CascadeProposer(k, load_drafter(p["model"], *target_embeddings(p["target"])), max_requests,
+        return CascadeProposer(k, _drafter(p["model"], p["target"], dtype), max_requests,
                                drafter_steps=p["drafter_steps"], ngram_min=p["prompt_lookup_min"],
                                ngram_max=p["prompt_lookup_max"], drafter_top_k=p["drafter_top_k"])
     if method in ("oracle", "adversarial"):
@@ -150,7 +159,7 @@ class PluginProposer:
             raise ValueError(f"{__name__}.PluginProposer needs additional_config[{ADDITIONAL_KEY!r}]; "
                              "select it with speculative_config={'method': 'lookahead', ...}")
         self.params = params
-        self.impl = build_proposer(params, vllm_config.scheduler_config.max_num_seqs)
+        self.impl = build_proposer(params, vllm_config.scheduler_config.max_num_seqs, vllm_config.model_config.dtype)
         self.needs_target_argmax = self.impl.needs_target_argmax
         self.max_model_len = vllm_config.model_config.max_model_len
         self._argmax: list[list[int]] | None = None

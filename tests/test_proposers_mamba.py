@@ -96,20 +96,23 @@ def _run(prop, d, prompts, answers, ks=None):
     return acc, steps
 
 
+def _partly_predicted(d, prompt, n, every):
+    """An answer the drafter partly predicts: its own greedy continuation of `prompt`, n tokens,
+    with every `every`-th token changed."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for j in range(n):
+            h, _ = d(torch.tensor([seq]))
+            t = int(d.draft_vocab[d.logits(h[:, -1]).argmax(-1)])
+            seq.append(t if j % every else (t + 1) % V)
+    return seq[len(prompt):]
+
+
 def test_proposer_matches_replay_and_frees_state():
     d = drafter()
     torch.manual_seed(1)
-    # answers the drafter partly predicts: its own greedy continuation with every 3rd token changed
-    prompts, answers = {}, {}
-    for r in range(3):
-        p = torch.randint(0, V, (11 + 7 * r,)).tolist()
-        seq = list(p)
-        with torch.no_grad():
-            for j in range(30):
-                h, _ = d(torch.tensor([seq]))
-                t = int(d.draft_vocab[d.logits(h[:, -1]).argmax(-1)])
-                seq.append(t if j % 3 else (t + 1) % V)
-        prompts[f"r{r}"], answers[f"r{r}"] = p, seq[len(p):]
+    prompts = {f"r{r}": torch.randint(0, V, (11 + 7 * r,)).tolist() for r in range(3)}
+    answers = {r: _partly_predicted(d, p, 30, 3) for r, p in prompts.items()}
     prop = MambaProposer(4, d, max_requests=1)        # grows past one slot
     acc, steps = _run(prop, d, prompts, answers)
     for r in prompts:
@@ -136,15 +139,7 @@ def test_bf16_matmuls_halve_the_weights_and_keep_the_proposer_exact():
         assert (l16 - l32).abs().max() < 0.03 * l32.abs().max()      # bf16: 8 bits of mantissa
     torch.manual_seed(3)
     prompts = {f"r{r}": torch.randint(0, V, (9 + r,)).tolist() for r in range(2)}
-    answers = {}
-    for r, p in prompts.items():     # the bf16 drafter's own greedy text, every 4th token changed
-        seq = list(p)
-        with torch.no_grad():
-            for j in range(24):
-                h, _ = d16(torch.tensor([seq]))
-                t = int(d16.draft_vocab[d16.logits(h[:, -1]).argmax(-1)])
-                seq.append(t if j % 4 else (t + 1) % V)
-        answers[r] = seq[len(p):]
+    answers = {r: _partly_predicted(d16, p, 24, 4) for r, p in prompts.items()}
     acc, steps = _run(MambaProposer(3, d16), d16, prompts, answers)
     for r in prompts:
         assert (steps[r], acc[r]) == greedy_chain_accepted(d16, prompts[r], answers[r], 3)

@@ -108,8 +108,42 @@ def _partly_predicted(d, prompt, n, every):
     return seq[len(prompt):]
 
 
-def test_proposer_matches_replay_and_frees_state():
+def _kernel(use):
+    if not use:
+        return None
+    from vllm_spec_plugins import native
+    k = native.mamba_step()
+    if k is None:
+        pytest.skip("no C compiler here")
+    return k
+
+
+def test_step_kernel_equals_torch_step_in_place_and_across_snapshots():
+    """`step_into` (the C step, states read from and written to snapshot buffers) == `step` on
+    gathered states, for rows that move to another snapshot and rows updated in place."""
     d = drafter()
+    kernel = _kernel(True)
+    torch.manual_seed(4)
+    bufs = [(torch.randn(3, 4, L.conv_dim, L.K - 1), torch.randn(3, 4, L.H, L.P, L.N)) for L in d.layers]
+    sl, src, dst = torch.tensor([2, 0, 1]), torch.tensor([1, 3, 2]), torch.tensor([1, 0, 3])
+    with torch.no_grad():
+        for ids in ([3, 7, 11], [8, 1, 250]):
+            ids = torch.tensor(ids)
+            want_h, want = d.step(ids, [(c[sl, src], s[sl, src]) for c, s in bufs])
+            untouched = [(c[1, 0].clone(), s[1, 0].clone()) for c, s in bufs]
+            got_h = d.step_into(ids, bufs, sl, src, dst, kernel)
+            torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-5)
+            for (c, s), (wc, ws), (uc, us) in zip(bufs, want, untouched):
+                torch.testing.assert_close(c[sl, dst], wc, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(s[sl, dst], ws, rtol=1e-5, atol=1e-5)
+                assert torch.equal(c[1, 0], uc) and torch.equal(s[1, 0], us)   # other snapshots kept
+            src = dst
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "c_step"])
+def test_proposer_matches_replay_and_frees_state(kernel):
+    d = drafter()
+    d.step_kernel = _kernel(kernel)
     torch.manual_seed(1)
     prompts = {f"r{r}": torch.randint(0, V, (11 + 7 * r,)).tolist() for r in range(3)}
     answers = {r: _partly_predicted(d, p, 30, 3) for r, p in prompts.items()}
@@ -124,30 +158,41 @@ def test_proposer_matches_replay_and_frees_state():
     assert not prop.slots and len(prop.free) == prop.capacity
 
 
-def test_bf16_matmuls_halve_the_weights_and_keep_the_proposer_exact():
-    """`matmuls_in(bf16)`: projections and head in bf16 (half the bytes a drafted token reads),
-    states float32, outputs close to the float32 drafter's; the proposer still drafts exactly what
-    that drafter predicts (snapshots, and the last draft fed only when accepted)."""
-    d32, d16 = drafter(), drafter().matmuls_in(torch.bfloat16)
-    b32 = sum(m.weight.nbytes for L in d32.layers for m in (L.in_proj, L.out_proj)) + d32.head.nbytes
-    assert sum(m.weight.nbytes for L in d16.layers for m in (L.in_proj, L.out_proj)) + d16.head.nbytes == b32 // 2
+@pytest.mark.parametrize("dtype", [torch.bfloat16, "int8"])
+def test_low_precision_matmuls_shrink_the_weights_and_keep_the_proposer_exact(dtype):
+    """`matmuls_in`: projections and head in bf16 (half the bytes a drafted token reads) or int8
+    (a quarter, plus one scale per row), states float32, outputs close to the float32 drafter's;
+    the proposer still drafts exactly what that drafter predicts (snapshots, the last draft fed
+    only when accepted), on the torch path and through the C step."""
+    def nbytes(d):
+        head = [d.head] if isinstance(d.head, torch.Tensor) else list(d.head.buffers())
+        mods = [m for L in d.layers for m in (L.in_proj, L.out_proj)]
+        return sum(t.nbytes for m in mods for t in [*m.parameters(), *m.buffers()]) + sum(t.nbytes for t in head)
+    d32, dq = drafter(), drafter().matmuls_in(dtype)
+    n_out = sum(m.weight.shape[0] for L in d32.layers for m in (L.in_proj, L.out_proj)) + d32.head.shape[0]
+    assert nbytes(dq) == nbytes(d32) // 2 if dtype == torch.bfloat16 else nbytes(d32) // 4 + 2 * n_out
     ids = torch.randint(0, V, (1, 23))
     with torch.no_grad():
-        (h32, s32), (h16, s16) = d32(ids), d16(ids)
-        assert h16.dtype == torch.float32 and all(t.dtype == torch.float32 for st in s16 for t in st)
-        l16, l32 = d16.logits(h16), d32.logits(h32)
-        assert (l16 - l32).abs().max() < 0.03 * l32.abs().max()      # bf16: 8 bits of mantissa
+        (h32, s32), (hq, sq) = d32(ids), dq(ids)
+        assert hq.dtype == torch.float32 and all(t.dtype == torch.float32 for st in sq for t in st)
+        lq, l32 = dq.logits(hq), d32.logits(h32)
+        assert (lq - l32).abs().max() < 0.05 * l32.abs().max()      # bf16: 8 bits of mantissa; int8: 7
+        assert (lq.argmax(-1) == l32.argmax(-1)).float().mean() > 0.8
     torch.manual_seed(3)
     prompts = {f"r{r}": torch.randint(0, V, (9 + r,)).tolist() for r in range(2)}
-    answers = {r: _partly_predicted(d16, p, 24, 4) for r, p in prompts.items()}
-    acc, steps = _run(MambaProposer(3, d16), d16, prompts, answers)
-    for r in prompts:
-        assert (steps[r], acc[r]) == greedy_chain_accepted(d16, prompts[r], answers[r], 3)
-        assert acc[r] > 0
+    answers = {r: _partly_predicted(dq, p, 24, 4) for r, p in prompts.items()}
+    for kernel in (False, True):
+        dq.step_kernel = _kernel(kernel)
+        acc, steps = _run(MambaProposer(3, dq), dq, prompts, answers)
+        for r in prompts:
+            assert (steps[r], acc[r]) == greedy_chain_accepted(dq, prompts[r], answers[r], 3)
+            assert acc[r] > 0
 
 
-def test_proposer_recovers_from_preemption_and_out_of_step_rows():
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "c_step"])
+def test_proposer_recovers_from_preemption_and_out_of_step_rows(kernel):
     d = drafter()
+    d.step_kernel = _kernel(kernel)
     prop = MambaProposer(3, d)
     toks = np.array([5, 6, 7, 8])
     out1 = prop.propose(StepContext([RequestStep("a", toks, [8], [])], set(), set(), 3))[0]
@@ -174,12 +219,14 @@ def _topw_from_scratch(d, tokens, depth, w):
     return out
 
 
-def test_draft_tree_equals_scratch_after_siblings_skips_and_rejections():
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "c_step"])
+def test_draft_tree_equals_scratch_after_siblings_skips_and_rejections(kernel):
     """bandit_tree's Mamba candidates: the spine is the drafter's greedy chain, each depth's
     siblings its next-best tokens under the spine node above, scores chain probabilities; after
     a sibling was accepted (fed from the snapshot where it left the spine), a step without drafts,
     or a rejection, the next tree equals a from-scratch run over the whole sequence."""
     d = drafter()
+    d.step_kernel = _kernel(kernel)
     depth, w = 4, 3
     prop = MambaProposer(depth, d)
     rng = np.random.default_rng(0)

@@ -1,11 +1,11 @@
-"""The C tree-attention kernel (csrc/tree_attention.c), built once per machine and loaded with ctypes.
+"""The C kernels (csrc/tree_attention.c, csrc/mamba_step.c), built once per machine and loaded with ctypes.
 
-`library()` compiles it with the system C compiler (`$CC`, else cc/gcc; -O3 -march=native) into
+`library()` (tree attention) and `mamba_step()` compile their source with the system C compiler (`$CC`, else cc/gcc; -O3 -march=native) into
 the plugin's cache folder, keyed by source, flags, compiler and CPU flags, so each worker process
 of a machine loads the same file and a shared home folder never hands one CPU's build to another.
 It returns None when no compiler is found, the build fails (one warning), or
-VLLM_SPEC_PLUGINS_NATIVE=0: `tree_attention.cpu_tree_attention` then runs its torch path, which
-computes the same thing more slowly.
+VLLM_SPEC_PLUGINS_NATIVE=0: `tree_attention.cpu_tree_attention` and the Mamba drafter then run
+their torch paths, which compute the same thing more slowly.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from pathlib import Path
 logger = logging.getLogger("vllm_spec_plugins")
 
 SRC = Path(__file__).parent / "csrc" / "tree_attention.c"
+MAMBA_SRC = Path(__file__).parent / "csrc" / "mamba_step.c"
 FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
 ENV = "VLLM_SPEC_PLUGINS_NATIVE"
 
@@ -48,23 +49,23 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(out_dir: Path | None = None) -> Path:
-    """Compile the kernel (if not built yet) and return the shared library's path."""
+def build(out_dir: Path | None = None, source: Path = SRC) -> Path:
+    """Compile `source` (if not built yet) and return the shared library's path."""
     from vllm_spec_plugins.models import cache_root
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set CC, or install gcc)")
-    src = SRC.read_bytes()
+    src = Path(source).read_bytes()
     key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), cc.encode(), _cpu_flags().encode()]))
     out_dir = Path(out_dir) if out_dir else cache_root() / "native"
-    lib = out_dir / f"tree_attention-{key.hexdigest()[:16]}.so"
+    lib = out_dir / f"{Path(source).stem}-{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        p = subprocess.run([cc, *FLAGS, "-o", tmp, str(SRC), "-lm"], capture_output=True, text=True)
+        p = subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"{cc} failed: {p.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)            # atomic: concurrent workers each build, one file wins
@@ -87,5 +88,30 @@ def library():
         return None
     fn = lib.tree_attention
     fn.argtypes = _ARGTYPES
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MAMBA_ARGTYPES = (
+    [ctypes.c_void_p, ctypes.c_int64]                                          # u, row stride
+    + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2                    # conv, ssm buffers, strides
+    + [ctypes.c_void_p] * 3 + [ctypes.c_int]                                   # slot, src, dst, b
+    + [ctypes.c_void_p] * 6 + [ctypes.c_float]                                 # conv_w .. norm_w, eps
+    + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 2)                              # di .. K, y, scratch
+
+
+@functools.lru_cache(maxsize=None)
+def mamba_step():
+    """The Mamba step kernel (`proposers.mamba.Mamba2Mixer.step_into` calls it), or None."""
+    if os.environ.get(ENV, "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(source=MAMBA_SRC)))
+    except (RuntimeError, OSError) as e:
+        logger.warning("vllm-spec-plugins: C Mamba step kernel unavailable (%s); using the "
+                       "slower torch path", e)
+        return None
+    fn = lib.mamba_step
+    fn.argtypes = _MAMBA_ARGTYPES
     fn.restype = ctypes.c_int
     return fn

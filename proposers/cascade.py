@@ -34,8 +34,9 @@ class CascadeProposer(MambaProposer):
     class_prior = np.concatenate([np.repeat(CONF_PRIOR, 4), np.repeat([0.5 * (0.4 + c) for c in CONF_PRIOR], 4)])
     def __init__(self, num_speculative_tokens: int, drafter: StateSpaceDrafter, max_requests: int = 8,
                  drafter_steps: int = 3, ngram_min: int = 1, ngram_max: int = 3, drafter_top_k: int = 1):
+        self.drafter_steps = drafter_steps       # (sizes the snapshot buffers, `snapshots`)
         super().__init__(num_speculative_tokens, drafter, max_requests)
-        self.drafter_steps, self.ngram_min, self.ngram_max = drafter_steps, ngram_min, ngram_max
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.top_k = drafter_top_k
         inv = torch.full((int(drafter.draft_vocab.max()) + 1,), -1, dtype=torch.long)
         inv[drafter.draft_vocab] = torch.arange(len(drafter.draft_vocab))
@@ -47,6 +48,12 @@ class CascadeProposer(MambaProposer):
                       "target_drafts_level0": 0, "target_drafts_drafter": 0,
                       "target_accepted_level0": 0, "target_accepted_drafter": 0,
                       "level0_s": 0.0, "drafter_s": 0.0, "steps": 0}
+
+    @property
+    def snapshots(self) -> int:
+        """The C step writes every drafter step's state to a snapshot (a0 + step, up to
+        k + drafter_steps + 1); those past k are scratch, never read."""
+        return self.k + self.drafter_steps + 2
 
     def release(self, req_id: str) -> None:
         super().release(req_id)
@@ -84,9 +91,12 @@ class CascadeProposer(MambaProposer):
         x = torch.tensor([f + [0] * (T - len(f)) for f in feed])  # [b, T]
         t1 = time.perf_counter()
         sl, sn = torch.tensor(slots), torch.tensor(snap)
-        layers = self.buf
-        st = [(c[sl, sn], s[sl, sn]) for c, s in layers]
-        h, sts = self.d.steps(x, st)                             # one pass over bonus + level 0
+        layers, kernel = self.buf, self.kernel
+        if kernel is not None and T == 1:                        # no level-0 tokens: one C step
+            h, sts = self.d.step_into(x[:, 0], layers, sl, sn, torch.zeros_like(sl), kernel)[:, None], None
+        else:
+            st = [(c[sl, sn], s[sl, sn]) for c, s in layers]
+            h, sts = self.d.steps(x, st)                         # one pass over bonus + level 0
         lg = self.d.logits(h)
         prob = torch.softmax(lg, -1)
         conf, g = prob.max(-1)
@@ -105,22 +115,26 @@ class CascadeProposer(MambaProposer):
         a0 = agree.int().cumprod(1).sum(1) if T > 1 else torch.zeros(len(rows), dtype=torch.long)
         r = torch.arange(len(rows))
         # snapshots 0..a0 come straight from the pass (snapshot j = after bonus + j drafts)
-        for p in range(min(T, k + 1)):
-            keep = (p <= a0)
-            for (cb, sb), (c, s) in zip(layers, sts):
-                cb[sl, p] = torch.where(keep[:, None, None], c[:, p], cb[sl, p])
-                sb[sl, p] = torch.where(keep[:, None, None, None], s[:, p], sb[sl, p])
-        st = [(c[r, a0], s[r, a0]) for c, s in sts]               # state after bonus + a0 drafts
+        if sts is not None:
+            for p in range(min(T, k + 1)):
+                keep = (p <= a0)
+                for (cb, sb), (c, s) in zip(layers, sts):
+                    cb[sl, p] = torch.where(keep[:, None, None], c[:, p], cb[sl, p])
+                    sb[sl, p] = torch.where(keep[:, None, None, None], s[:, p], sb[sl, p])
+            st = [(c[r, a0], s[r, a0]) for c, s in sts]           # state after bonus + a0 drafts
         tok = g[r, a0]                                            # the drafter's own next token
         drafts, confs = [tok], [conf[r, a0]]
         for step in range(1, self.drafter_steps + 2):            # feed each new draft; last: snapshot only
-            hh, st = self.d.step(tok, st)
             idx = a0 + step                                       # snapshot index after that draft
-            keep = idx <= k
-            ic = idx.clamp(max=k)
-            for (cb, sb), (c, s) in zip(layers, st):
-                cb[sl, ic] = torch.where(keep[:, None, None], c, cb[sl, ic])
-                sb[sl, ic] = torch.where(keep[:, None, None, None], s, sb[sl, ic])
+            if kernel is not None:                                # snapshot idx - 1 -> idx, in place
+                hh = self.d.step_into(tok, layers, sl, idx - 1, idx, kernel, hidden=step <= self.drafter_steps)
+            else:
+                hh, st = self.d.step(tok, st)
+                keep = idx <= k
+                ic = idx.clamp(max=k)
+                for (cb, sb), (c, s) in zip(layers, st):
+                    cb[sl, ic] = torch.where(keep[:, None, None], c, cb[sl, ic])
+                    sb[sl, ic] = torch.where(keep[:, None, None, None], s, sb[sl, ic])
             if step == self.drafter_steps + 1:
                 break
             c1, tok = torch.softmax(self.d.logits(hh), -1).max(-1)

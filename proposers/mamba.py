@@ -393,8 +393,13 @@ class MambaProposer(Proposer):
     def capacity(self) -> int:
         return self.buf[0][0].shape[0]
 
+    @property
+    def snapshots(self) -> int:
+        """Snapshots per slot: 0..k."""
+        return self.k + 1
+
     def _grow(self, n: int) -> None:
-        k1, f32 = self.k + 1, torch.float32
+        k1, f32 = self.snapshots, torch.float32
         old = self.capacity if self.buf else 0
         new = [(torch.zeros(n, k1, L.conv_dim, L.K - 1, dtype=f32), torch.zeros(n, k1, L.H, L.P, L.N, dtype=f32))
                for L in self.d.layers]

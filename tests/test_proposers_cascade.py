@@ -2,9 +2,10 @@
 greedy chain, level-0 (n-gram) tokens are kept by the drafter's one-pass check, and snapshots let a
 rejection resume without recomputation."""
 import numpy as np
+import pytest
 import torch
 
-from tests.test_proposers_mamba import V, _run, drafter
+from tests.test_proposers_mamba import V, _kernel, _run, drafter
 from vllm_spec_plugins.proposers.base import RequestStep, StepContext
 from vllm_spec_plugins.proposers.cascade import CascadeProposer
 
@@ -30,8 +31,10 @@ class Checked(CascadeProposer):
         return out
 
 
-def test_cascade_hands_out_the_drafters_greedy_chain_and_keeps_level0_tokens():
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "c_step"])
+def test_cascade_hands_out_the_drafters_greedy_chain_and_keeps_level0_tokens(kernel):
     d = drafter()
+    d.step_kernel = _kernel(kernel)
     torch.manual_seed(3)
     prompts, answers = {}, {}
     for r in range(3):
@@ -52,8 +55,10 @@ def test_cascade_hands_out_the_drafters_greedy_chain_and_keeps_level0_tokens():
     assert not prop.slots and not prop.origin
 
 
-def test_cascade_recovers_from_preemption_and_single_token_prompts():
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "c_step"])
+def test_cascade_recovers_from_preemption_and_single_token_prompts(kernel):
     d = drafter()
+    d.step_kernel = _kernel(kernel)
     prop = Checked(6, d, drafter_steps=3)
     prop.propose(StepContext([RequestStep("a", np.array([5]), [5], [])], set(), set(), 6))
     prop.propose(StepContext([], set(), {"a"}, 6))
@@ -79,8 +84,10 @@ def test_drafter_top_k_keeps_more_level0_tokens():
     assert kept[8][0] > kept[1][0] and kept[8][1] > kept[1][1], kept
 
 
-def test_drafter_top_k_0_hands_the_whole_ngram_draft_on():
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "c_step"])
+def test_drafter_top_k_0_hands_the_whole_ngram_draft_on(kernel):
     d = drafter()
+    d.step_kernel = _kernel(kernel)
     prop = CascadeProposer(8, d, drafter_steps=2, drafter_top_k=0)
     toks = np.array([5, 6, 7, 8, 9, 5, 6])                      # n-gram continuation of "5 6": 7 8 9 5 6
     out = prop.propose(StepContext([RequestStep("a", toks, [6], [])], set(), set(), 8))[0]

@@ -137,6 +137,7 @@ class Goodput(Proposer):
         #: kept token's threshold); bounded
         self.history: deque = deque(maxlen=20000)
         self._threshold, self._last_gain, self._forced, self._blind = 0.0, 0.0, False, False
+        self._reach: list[float] = []            # last cut's mean chance of acceptance per depth
         self._pending: float | None = None       # accepted tokens the last drafting step's cut expected
 
     def __getattr__(self, name):               # the wrapped proposer's extras (stats, inspect, ...)
@@ -157,11 +158,13 @@ class Goodput(Proposer):
         the nearest measured one (acceptance does not depend on the batch; seconds are per row)."""
         s = self.buckets.get(b)
         if s is None:
-            s = {"on_row_s": None, "off_row_s": None, "gain": None, "kept": None, "frac": None, "off_steps": 0}
+            s = {"on_row_s": None, "off_row_s": None, "gain": None, "kept": None, "frac": None, "off_steps": 0,
+                 "depth": None, "reach": [None] * self.k}
             near = min((k for k, v in self.buckets.items() if v["gain"] is not None),
                        key=lambda k: abs(k.bit_length() - b.bit_length()), default=None)
             if near is not None:
-                s |= {k: self.buckets[near][k] for k in ("on_row_s", "off_row_s", "gain", "kept", "frac")}
+                s |= {k: self.buckets[near][k] for k in ("on_row_s", "off_row_s", "gain", "kept", "frac", "depth")}
+                s["reach"] = list(self.buckets[near]["reach"])
             self.buckets[b] = s
         return s
 
@@ -190,6 +193,30 @@ class Goodput(Proposer):
         probe = min(self.probe_rows, n) * bucket["on_row_s"] + jump
         gap = min(max(probe / (self.probe_share * step) if step > 0 else 0.0, self.probe_every), 16 * self.probe_every)
         return "probe" if bucket["off_steps"] >= gap else "off"
+
+    def _depth(self, bucket: dict, n: int, budget: int) -> int:
+        """Chain length to ask a costly proposer for (a draft model pays for every token it
+        drafts, kept or cut): depth j is drafted while the mean chance that a row's j-th token
+        is accepted (`reach`, measured where drafted) pays for one more drafter step and its
+        verification at the step's rate, p_j > (b + drafter seconds per token) * R. One depth
+        more every `explore_every`-th drafting step keeps the next depth measured. A proposer
+        that costs next to nothing drafts `budget` (the cut decides)."""
+        fit = self.cost.fit(n)
+        if fit is None or bucket["on_row_s"] is None or bucket["gain"] is None or not bucket["depth"]:
+            return budget
+        a, b, jump = fit
+        step = a + b * n
+        if n * max(bucket["on_row_s"] - (bucket["off_row_s"] or 0.0), 0.0) <= self.cheap * step:
+            return budget
+        T = step + b * n * bucket["kept"] + jump * bucket["frac"] + n * bucket["on_row_s"]
+        R = n * (1 + bucket["gain"] * self.calibration()) / T
+        price = (b + bucket["on_row_s"] / bucket["depth"]) * R
+        d = 1
+        while d < budget and bucket["reach"][d] is not None and bucket["reach"][d] > price:
+            d += 1
+        if d < budget and (bucket["reach"][d] is None or self.steps % self.explore_every == 0):
+            d += 1
+        return d
 
     @staticmethod
     def _ema(old, new, w=0.1):
@@ -230,8 +257,11 @@ class Goodput(Proposer):
             sub = replace(ctx, requests=[ctx.requests[i] for i in rows])
         else:
             sub = ctx
+        depth = self._depth(bucket, n, budget) if mode != "off" else 0
+        if self.sync is not None:
+            depth = self.sync(depth)
         t0 = self.clock()
-        drafted = self.inner.propose(replace(sub, num_speculative_tokens=0 if mode == "off" else budget))
+        drafted = self.inner.propose(replace(sub, num_speculative_tokens=depth))
         draft_s = self.clock() - t0
         cls = getattr(self.inner, "classes", None) or [generic_classes(len(d)) for d in drafted]
         kept = self._allocate(sub, drafted, cls, n) if mode != "off" else [0] * len(drafted)
@@ -262,13 +292,18 @@ class Goodput(Proposer):
                 st["drafted"] += sum(len(d) for d in drafted)
                 st["kept"] += sum(kept)
                 st["expected"] += self._last_gain
-                w = 0.5 if mode == "probe" else 0.1      # a probe speaks for the steps it was off
+                # slow averages: one step's gain is noisy (a confident stretch, then none), and
+                # on/off must follow the mean, not the last few steps; a probe counts double
+                w = 0.1 if mode == "probe" else 0.05
                 bucket["on_row_s"] = self._ema(bucket["on_row_s"], draft_s / m, w)
+                bucket["depth"] = self._ema(bucket["depth"], max((len(d) for d in drafted), default=0), w)
                 bucket["off_steps"] = 0
                 if not self._blind:                      # the first step keeps all, blind: models only
                     bucket["gain"] = self._ema(bucket["gain"], self._last_gain / m, w)
                     bucket["kept"] = self._ema(bucket["kept"], sum(kept) / m, w)
                     bucket["frac"] = self._ema(bucket["frac"], float(any(kept)), w)
+                    for j, p in enumerate(self._reach):
+                        bucket["reach"][j] = self._ema(bucket["reach"][j], p, w)
                     self._pending = self._last_gain
         self.last_end = self.clock()
         return out
@@ -279,7 +314,7 @@ class Goodput(Proposer):
         tokens do not cover the step's jump. Sets `_last_gain` (accepted tokens the kept drafts
         are expected to make), `_threshold` (b * R at the cut) and `_blind` (no cost measured
         yet: everything kept)."""
-        self._last_gain, self._threshold, self._forced = 0.0, 0.0, False
+        self._last_gain, self._threshold, self._forced, self._reach = 0.0, 0.0, False, []
         self._blind = self.cost.n == 0
         keep = [0] * len(drafts)
         if self.cost.n and self.cost.plain_weight < 0.5:
@@ -287,12 +322,17 @@ class Goodput(Proposer):
             return keep
         glob = self.accept.global_rate()
         cand = []                                  # (p, depth, row)
+        reach = np.zeros(self.k)
         for i, (req, d, c) in enumerate(zip(ctx.requests, drafts, classes)):
             if not len(d) or not req.tree_ok or hasattr(d, "parents"):
                 continue
             q = self.accept.rates(req.req_id, glob)[np.asarray(c[:len(d)], dtype=np.int64)]
             for j, p in enumerate(np.cumprod(q).tolist()):
                 cand.append((p, j, i))
+                reach[j] += p
+        rows = sum(1 for d in drafts if len(d))
+        depth = max((len(d) for d in drafts), default=0)
+        self._reach = (reach[:depth] / max(rows, 1)).tolist()   # mean chance per depth (`_depth`)
         if not cand:
             return keep
         a, b, jump = self.cost.fit(n) or (1.0, 0.0, 0.0)    # nothing measured: keep all

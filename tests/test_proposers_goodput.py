@@ -212,6 +212,53 @@ def test_a_costly_drafter_that_does_not_pay_is_switched_off_and_probed():
     assert 3 <= st["drafting_steps"] <= 12 and st["probes"] >= 2, st
 
 
+class CostlyPerToken(Proposer):
+    """A draft model: each drafted token costs `cost` clock seconds. Its first token is always
+    right, its second one time in two, the rest never (classes = depth)."""
+    class_prior = np.array([0.5, 0.5, 0.5, 0.5])
+
+    def __init__(self, refs, clock, cost):
+        super().__init__(4)
+        self.oracle, self.clock, self.cost, self.n = OracleProposer(4, refs), clock, cost, 0
+        self.asked: list[int] = []
+
+    def propose(self, ctx):
+        k = ctx.budget(self.k)
+        out = [d[:k] for d in self.oracle.propose(ctx)]
+        self.classes = []
+        for d in out:
+            self.n += 1
+            for j in range(1 if self.n % 2 else 2, len(d)):
+                d[j] = (d[j] + 1) % V
+            self.classes.append(list(range(len(d))))
+        if k:
+            self.asked.append(k)
+            self.clock.t += self.cost * k * len(out)
+        return out
+
+
+def test_a_costly_drafter_drafts_only_the_depths_that_pay():
+    """A draft model pays for every token it drafts: goodput asks it for the depths whose chance
+    of acceptance pays for a drafter step and its verification (here 2 of 4, and a third now and
+    then to keep measuring it), and keeps it drafting: it pays on average."""
+    target = lcg()
+    clock = Clock(target, 20.0, 0.2)
+    prompts = {"r0": [7, 1]}
+    refs = {tuple(p): greedy(target, p, 400) for p in prompts.values()}
+    inner = CostlyPerToken(refs, clock, 1.0)
+    prop = Goodput(inner, clock=clock)
+    eng = ToyEngine(prop, clock.next, vocab_size=V)
+    eng.add("r0", prompts["r0"], 300)
+    while eng.reqs:
+        eng.step()
+        clock.t += 20.0
+    eng.flush()
+    assert eng.done["r0"].out == refs[(7, 1)][:300]
+    st, late = prop.goodput_stats, inner.asked[len(inner.asked) // 2:]
+    assert st["drafting_steps"] > 0.9 * st["steps"], st
+    assert 2.0 <= np.mean(late) <= 2.6 and max(late) <= 3, (np.mean(late), prop.goodput_state())
+
+
 def test_lookahead_under_goodput_is_exact_and_frees_state():
     prop, _ = run(lambda refs: LookaheadProposer(4, vocab_size=V), 6, 150, fixed=10.0, per_token=1.0,
                   target=lambda t: (t[-1] * 7 + (t[-2] if len(t) > 1 else 0)) % 50)

@@ -6,7 +6,8 @@ Per step and request (all rows batched):
   level 1  the Mamba drafter verifies c in ONE pass (`StateSpaceDrafter.steps` over
            [bonus, c1..cm]: projections batched, states kept per position) and keeps the longest
            prefix c1..ca equal to its own greedy choices, plus its own next token (free); then
-           `drafter_steps` recurrent steps extend the chain.
+           up to `drafter_steps` recurrent steps extend the chain (no more than the step's
+           budget of k drafts can use).
 With `drafter_top_k=1` the target sees exactly the drafter's own greedy chain (a level-0 token is
 kept only where the drafter would have drafted it), but a0 of those tokens cost one batched pass
 instead of a0 sequential steps, so the chain grows where the n-gram level is right (code, quotes,
@@ -124,10 +125,13 @@ class CascadeProposer(MambaProposer):
             st = [(c[r, a0], s[r, a0]) for c, s in sts]           # state after bonus + a0 drafts
         tok = g[r, a0]                                            # the drafter's own next token
         drafts, confs = [tok], [conf[r, a0]]
-        for step in range(1, self.drafter_steps + 2):            # feed each new draft; last: snapshot only
+        # sequential steps: no more than the budget can use (k drafts, a0 + 1 of them already
+        # there; goodput may ask for fewer than num_speculative_tokens)
+        n_steps = min(self.drafter_steps, max(k - 1 - int(a0.min()), 0))
+        for step in range(1, n_steps + 2):                       # feed each new draft; last: snapshot only
             idx = a0 + step                                       # snapshot index after that draft
             if kernel is not None:                                # snapshot idx - 1 -> idx, in place
-                hh = self.d.step_into(tok, layers, sl, idx - 1, idx, kernel, hidden=step <= self.drafter_steps)
+                hh = self.d.step_into(tok, layers, sl, idx - 1, idx, kernel, hidden=step <= n_steps)
             else:
                 hh, st = self.d.step(tok, st)
                 keep = idx <= k
@@ -135,12 +139,12 @@ class CascadeProposer(MambaProposer):
                 for (cb, sb), (c, s) in zip(layers, st):
                     cb[sl, ic] = torch.where(keep[:, None, None], c, cb[sl, ic])
                     sb[sl, ic] = torch.where(keep[:, None, None, None], s, sb[sl, ic])
-            if step == self.drafter_steps + 1:
+            if step == n_steps + 1:
                 break
             c1, tok = torch.softmax(self.d.logits(hh), -1).max(-1)
             tok = self.d.draft_vocab[tok]
             drafts.append(tok), confs.append(c1)
-        tail = torch.stack(drafts, 1).tolist()                   # the one host sync
+        tail = torch.stack(drafts, 1).tolist()                   # host sync (and a0.min() above)
         tail_cls = confidence_classes(torch.stack(confs, 1), a0).tolist()
         lvl0_cls = (32 + confidence_classes(p0) if T > 1 else torch.zeros(len(rows), 0, dtype=torch.long)).tolist()
         a0 = a0.tolist()

@@ -117,6 +117,8 @@ class Goodput(Proposer):
         self.inner, self.explore_every, self.probe_every, self.clock = inner, explore_every, probe_every, clock
         self.probe_rows, self.cheap, self.probe_share = probe_rows, cheap, probe_share
         self._cal = [0.0, 0.0]                   # discounted (accepted, expected) tokens of drafting steps
+        if hasattr(inner, "once_seconds"):       # its one-off seconds are subtracted from ours: one clock
+            inner.clock = clock
         self.needs_target_argmax = inner.needs_target_argmax
         self.needs_hidden_states = inner.needs_hidden_states
         self.states = inner.states
@@ -260,9 +262,12 @@ class Goodput(Proposer):
         depth = self._depth(bucket, n, budget) if mode != "off" else 0
         if self.sync is not None:
             depth = self.sync(depth)
+        once0 = getattr(self.inner, "once_seconds", 0.0)
         t0 = self.clock()
         drafted = self.inner.propose(replace(sub, num_speculative_tokens=depth))
-        draft_s = self.clock() - t0
+        # a request's one-off work (a draft model's scan of its prompt) is paid on or off: not a
+        # step's cost
+        draft_s = self.clock() - t0 - (getattr(self.inner, "once_seconds", 0.0) - once0)
         cls = getattr(self.inner, "classes", None) or [generic_classes(len(d)) for d in drafted]
         kept = self._allocate(sub, drafted, cls, n) if mode != "off" else [0] * len(drafted)
         if self.sync is not None:
@@ -295,7 +300,8 @@ class Goodput(Proposer):
                 # slow averages: one step's gain is noisy (a confident stretch, then none), and
                 # on/off must follow the mean, not the last few steps; a probe counts double
                 w = 0.1 if mode == "probe" else 0.05
-                bucket["on_row_s"] = self._ema(bucket["on_row_s"], draft_s / m, w)
+                row_s = draft_s / m if bucket["on_row_s"] is None else min(draft_s / m, 4 * bucket["on_row_s"])
+                bucket["on_row_s"] = self._ema(bucket["on_row_s"], row_s, w)   # (one stall: bounded)
                 bucket["depth"] = self._ema(bucket["depth"], max((len(d) for d in drafted), default=0), w)
                 bucket["off_steps"] = 0
                 if not self._blind:                      # the first step keeps all, blind: models only

@@ -18,6 +18,7 @@ head, norms and training): the baseline a Mamba drafter is measured against.
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import torch
@@ -370,6 +371,7 @@ class MambaProposer(Proposer):
     #: slots allocated up front (each k+1 snapshots, ~0.6 MiB apiece for the shipped drafter): not
     #: vLLM's max_num_seqs, which defaults to hundreds
     PREALLOC = 16
+    clock = staticmethod(time.perf_counter)     # `once_seconds` (a `Goodput` around it sets its own)
     #: catch-ups of at most this many tokens (a tree's sibling, an accepted last draft, a skipped
     #: step) run as recurrent steps: the chunked scan pads them to a whole chunk
     STEP_SCAN = 4
@@ -388,6 +390,9 @@ class MambaProposer(Proposer):
         self.states = self.slots                   # what plugin_state_summary counts
         self.spine: dict[str, list[int]] = {}     # req_id -> greedy chain of the last tree drafted (`draft_tree`)
         self.last_snap: dict[str, int] = {}       # req_id -> last valid snapshot, when below k (`_draft`)
+        #: seconds of per-request one-off work (scans of a whole request), which `Goodput` does
+        #: not count as a step's drafting cost
+        self.once_seconds = 0.0
 
     @property
     def capacity(self) -> int:
@@ -429,7 +434,18 @@ class MambaProposer(Proposer):
 
     @torch.no_grad()
     def _scan(self, req_id: str, tokens: np.ndarray, snap: int | None) -> None:
-        """Snapshot 0 := the state after `tokens`, fed from snapshot `snap` (None: from scratch)."""
+        """Snapshot 0 := the state after `tokens`, fed from snapshot `snap` (None: from scratch:
+        a new or resumed request, its seconds counted in `once_seconds`)."""
+        if snap is None:
+            t0 = self.clock()
+            try:
+                self._scan_from(req_id, tokens, snap)
+            finally:
+                self.once_seconds += self.clock() - t0
+        else:
+            self._scan_from(req_id, tokens, snap)
+
+    def _scan_from(self, req_id: str, tokens: np.ndarray, snap: int | None) -> None:
         slot = self._slot(req_id)
         if len(tokens):
             ids = torch.from_numpy(np.array(tokens, dtype=np.int64))[None]

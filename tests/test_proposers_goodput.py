@@ -217,12 +217,18 @@ class CostlyPerToken(Proposer):
     right, its second one time in two, the rest never (classes = depth)."""
     class_prior = np.array([0.5, 0.5, 0.5, 0.5])
 
-    def __init__(self, refs, clock, cost):
+    def __init__(self, refs, clock, cost, scan=0.0):
         super().__init__(4)
         self.oracle, self.clock, self.cost, self.n = OracleProposer(4, refs), clock, cost, 0
         self.asked: list[int] = []
+        self.scan, self.seen, self.once_seconds = scan, set(), 0.0
 
     def propose(self, ctx):
+        for r in ctx.requests:       # a new request: a scan of its prompt (one-off seconds)
+            if r.req_id not in self.seen and ctx.budget(self.k):
+                self.seen.add(r.req_id)
+                self.clock.t += self.scan
+                self.once_seconds += self.scan
         k = ctx.budget(self.k)
         out = [d[:k] for d in self.oracle.propose(ctx)]
         self.classes = []
@@ -240,20 +246,22 @@ class CostlyPerToken(Proposer):
 def test_a_costly_drafter_drafts_only_the_depths_that_pay():
     """A draft model pays for every token it drafts: goodput asks it for the depths whose chance
     of acceptance pays for a drafter step and its verification (here 2 of 4, and a third now and
-    then to keep measuring it), and keeps it drafting: it pays on average."""
+    then to keep measuring it), and keeps it drafting: it pays on average. Its scan of each new
+    request's prompt (`once_seconds`, here 10 steps' worth) is paid on or off: not a step's cost."""
     target = lcg()
     clock = Clock(target, 20.0, 0.2)
-    prompts = {"r0": [7, 1]}
-    refs = {tuple(p): greedy(target, p, 400) for p in prompts.values()}
-    inner = CostlyPerToken(refs, clock, 1.0)
+    prompts = {f"r{i}": [7 + i, 1] for i in range(6)}
+    refs = {tuple(p): greedy(target, p, 100) for p in prompts.values()}
+    inner = CostlyPerToken(refs, clock, 1.0, scan=200.0)
     prop = Goodput(inner, clock=clock)
     eng = ToyEngine(prop, clock.next, vocab_size=V)
-    eng.add("r0", prompts["r0"], 300)
-    while eng.reqs:
-        eng.step()
-        clock.t += 20.0
-    eng.flush()
-    assert eng.done["r0"].out == refs[(7, 1)][:300]
+    for rid, p in prompts.items():      # one after the other, as at batch 1
+        eng.add(rid, p, 60)
+        while eng.reqs:
+            eng.step()
+            clock.t += 20.0
+        eng.flush()
+        assert eng.done[rid].out == refs[tuple(p)][:60]
     st, late = prop.goodput_stats, inner.asked[len(inner.asked) // 2:]
     assert st["drafting_steps"] > 0.9 * st["steps"], st
     assert 2.0 <= np.mean(late) <= 2.6 and max(late) <= 3, (np.mean(late), prop.goodput_state())

@@ -189,6 +189,23 @@ def test_low_precision_matmuls_shrink_the_weights_and_keep_the_proposer_exact(dt
             assert acc[r] > 0
 
 
+def test_int8_falls_back_to_bf16_where_torch_cannot_run_it():
+    """Input widths that are not multiples of 32 (torch's int8 matmul gave NaN or crashed on
+    some here) keep bf16 weights; the others become int8."""
+    from vllm_spec_plugins.proposers.mamba import Int8Linear
+    assert Int8Linear.of(torch.randn(8, 40)) is None and Int8Linear.of(torch.randn(8, 100)) is None
+    assert isinstance(Int8Linear.of(torch.randn(8, 64)), Int8Linear)
+    torch.manual_seed(0)
+    emb = torch.randn(V, 48)       # d = 48: the in-projection and the head read 48 wide
+    d = StateSpaceDrafter({"head_dim": 16, "d_state": 8, "chunk": 8}, emb, emb, torch.arange(0, V, 2)).eval()
+    d.matmuls_in("int8")
+    assert d.layers[0].in_proj.weight.dtype == torch.bfloat16 and d.head.dtype == torch.bfloat16
+    assert isinstance(d.layers[0].out_proj, Int8Linear)           # 96 wide: int8
+    with torch.no_grad():
+        h, _ = d(torch.randint(0, V, (1, 9)))
+        assert torch.isfinite(d.logits(h)).all()
+
+
 @pytest.mark.parametrize("kernel", [False, True], ids=["torch", "c_step"])
 def test_proposer_recovers_from_preemption_and_out_of_step_rows(kernel):
     d = drafter()

@@ -75,21 +75,26 @@ def build(out_dir: Path | None = None, source: Path = SRC) -> Path:
     return lib
 
 
-@functools.lru_cache(maxsize=None)
-def library():
-    """The loaded kernel, or None (disabled, no compiler, or the build failed: torch path)."""
+def _load(source: Path, name: str, argtypes, what: str):
+    """Function `name` of `source`'s build, or None (disabled, no compiler, or the build failed:
+    the caller's torch path)."""
     if os.environ.get(ENV, "1") == "0":
         return None
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(source=source)))
     except (RuntimeError, OSError) as e:
-        logger.warning("vllm-spec-plugins: C tree-attention kernel unavailable (%s); using the "
-                       "slower torch path", e)
+        logger.warning("vllm-spec-plugins: C %s kernel unavailable (%s); using the slower torch path", what, e)
         return None
-    fn = lib.tree_attention
-    fn.argtypes = _ARGTYPES
+    fn = getattr(lib, name)
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn
+
+
+@functools.lru_cache(maxsize=None)
+def library():
+    """The loaded tree-attention kernel, or None (disabled, no compiler, or the build failed: torch path)."""
+    return _load(SRC, "tree_attention", _ARGTYPES, "tree-attention")
 
 
 _MAMBA_ARGTYPES = (
@@ -103,15 +108,4 @@ _MAMBA_ARGTYPES = (
 @functools.lru_cache(maxsize=None)
 def mamba_step():
     """The Mamba step kernel (`proposers.mamba.Mamba2Mixer.step_into` calls it), or None."""
-    if os.environ.get(ENV, "1") == "0":
-        return None
-    try:
-        lib = ctypes.CDLL(str(build(source=MAMBA_SRC)))
-    except (RuntimeError, OSError) as e:
-        logger.warning("vllm-spec-plugins: C Mamba step kernel unavailable (%s); using the "
-                       "slower torch path", e)
-        return None
-    fn = lib.mamba_step
-    fn.argtypes = _MAMBA_ARGTYPES
-    fn.restype = ctypes.c_int
-    return fn
+    return _load(MAMBA_SRC, "mamba_step", _MAMBA_ARGTYPES, "Mamba step")

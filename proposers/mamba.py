@@ -564,26 +564,24 @@ class MambaProposer(Proposer):
         if not sel:
             return sel, None, None
         sl, sn = torch.tensor(slots), torch.tensor(snap)
-        toks, probs = [], []
-        if self.kernel is not None:     # states stay in the buffers: snapshot j -> j + 1 in place
+        toks, probs, kernel = [], [], self.kernel
+        if kernel is not None:          # states stay in the buffers: snapshot j -> j + 1 in place
             at = [torch.full_like(sl, j) for j in range(depth)]
-            h = self.d.step_into(torch.tensor(last), self.buf, sl, sn, at[0], self.kernel)
-            for j in range(depth):
-                p, t = torch.softmax(self.d.logits(h), -1).topk(width, -1)
-                t = self.d.draft_vocab[t]
-                toks.append(t), probs.append(p)
-                if j + 1 < depth:
-                    h = self.d.step_into(t[:, 0], self.buf, sl, at[j], at[j + 1], self.kernel)
-            return sel, torch.stack(toks, 1), torch.stack(probs, 1)
-        h, st = self.d.step(torch.tensor(last), [(c[sl, sn], s[sl, sn]) for c, s in self.buf])
+            h = self.d.step_into(torch.tensor(last), self.buf, sl, sn, at[0], kernel)
+        else:
+            h, st = self.d.step(torch.tensor(last), [(c[sl, sn], s[sl, sn]) for c, s in self.buf])
         for j in range(depth):
-            for (c, s), (cb, sb) in zip(st, self.buf):
-                cb[sl, j], sb[sl, j] = c, s
+            if kernel is None:
+                for (c, s), (cb, sb) in zip(st, self.buf):
+                    cb[sl, j], sb[sl, j] = c, s
             p, t = torch.softmax(self.d.logits(h), -1).topk(width, -1)
             t = self.d.draft_vocab[t]
             toks.append(t), probs.append(p)
             if j + 1 < depth:   # the last draft is fed only if accepted, next step (`_before_last`)
-                h, st = self.d.step(t[:, 0], st)
+                if kernel is not None:
+                    h = self.d.step_into(t[:, 0], self.buf, sl, at[j], at[j + 1], kernel)
+                else:
+                    h, st = self.d.step(t[:, 0], st)
         return sel, torch.stack(toks, 1), torch.stack(probs, 1)
 
     def _on_spine(self, req) -> int:

@@ -174,6 +174,17 @@ class Goodput(Proposer):
         """Accepted tokens the target reported / tokens the cut expected, over recent drafting steps."""
         return min(max(self._cal[0] / self._cal[1], 0.2), 2.0) if self._cal[1] > 1.0 else 1.0
 
+    def _costly(self, bucket: dict, n: int, fit) -> tuple[float, float] | None:
+        """For a proposer whose own seconds are over `cheap` of a step at batch n: (a plain step's
+        seconds, R_on = tokens per second of a drafting step, with the gain the cut expects
+        scaled by `calibration`, the proposer's time and the verification); None below that."""
+        a, b, jump = fit
+        step = a + b * n
+        if n * max(bucket["on_row_s"] - (bucket["off_row_s"] or 0.0), 0.0) <= self.cheap * step:
+            return None
+        gain = bucket["gain"] * self.calibration()
+        return step, n * (1 + gain) / (step + b * n * bucket["kept"] + jump * bucket["frac"] + n * bucket["on_row_s"])
+
     def _mode(self, bucket: dict, n: int) -> str:
         """"on", "off", or "probe" (a few rows draft). A proposer that costs next to nothing
         (under `cheap` of a step) always runs: the cut already drafts nothing when nothing pays.
@@ -182,13 +193,12 @@ class Goodput(Proposer):
         `probe_share` of the time since the last (never sooner than `probe_every` steps)."""
         if bucket["on_row_s"] is None or bucket["gain"] is None:
             return "on"
-        a, b, jump = self.cost.fit(n) or (0.0, 0.0, 0.0)
-        step = a + b * n
-        own = n * max(bucket["on_row_s"] - (bucket["off_row_s"] or 0.0), 0.0)
-        if own <= self.cheap * step:
+        fit = self.cost.fit(n) or (0.0, 0.0, 0.0)
+        costly = self._costly(bucket, n, fit)
+        if costly is None:
             return "on"
-        gain = bucket["gain"] * self.calibration()
-        on = n * (1 + gain) / (step + b * n * bucket["kept"] + jump * bucket["frac"] + n * bucket["on_row_s"])
+        step, on = costly
+        jump = fit[2]
         off = n / (step + n * (bucket["off_row_s"] or 0.0))
         if on >= off:
             return "on"
@@ -206,13 +216,10 @@ class Goodput(Proposer):
         fit = self.cost.fit(n)
         if fit is None or bucket["on_row_s"] is None or bucket["gain"] is None or not bucket["depth"]:
             return budget
-        a, b, jump = fit
-        step = a + b * n
-        if n * max(bucket["on_row_s"] - (bucket["off_row_s"] or 0.0), 0.0) <= self.cheap * step:
+        costly = self._costly(bucket, n, fit)
+        if costly is None:
             return budget
-        T = step + b * n * bucket["kept"] + jump * bucket["frac"] + n * bucket["on_row_s"]
-        R = n * (1 + bucket["gain"] * self.calibration()) / T
-        price = (b + bucket["on_row_s"] / bucket["depth"]) * R
+        price = (fit[1] + bucket["on_row_s"] / bucket["depth"]) * costly[1]
         d = 1
         while d < budget and bucket["reach"][d] is not None and bucket["reach"][d] > price:
             d += 1

@@ -652,23 +652,34 @@ def shaped_tree(order: list[int], toks: list[int], pars: list[int], widths=None,
     to shape `widths` (None: all of them) with at most `keep` nodes, and the candidates it kept,
     in tree order. `also` {name: shape}: for each other shape whose tree is a subset of this one
     (its acceptance is known once this tree is verified), `subsets[name]` receives its node
-    indices in the returned tree."""
+    indices in the returned tree.
+
+    The tree's best path (from the root, each time the best child) comes first: its rows see
+    exactly a causal mask, so verification leaves them to vLLM's causal kernel and, when it is
+    accepted, its KV is already where it belongs. The other nodes follow best first, so every
+    prefix (the scheduler may cut one) is still a tree."""
     from vllm_spec_plugins.scorers.tree import DraftTree
 
+    others = {}
     if widths is not None:
         kept = _select(order, pars, widths, keep)
-        others = {}
         for name, shape in (also or {}).items():
             if len(shape) <= len(widths):
                 sub = _select(order, pars, shape, min(keep, sum(shape)))
                 if sub <= kept:
                     others[name] = sub
         order = [i for i in order if i in kept]
-        if subsets is not None:
-            pos = {old: j for j, old in enumerate(order)}
-            for name, sub in others.items():
-                subsets[name] = frozenset(pos[i] for i in sub)
+    path, up = [], -1
+    for i in order:                       # best first: the first child met is the best one
+        if pars[i] == up:
+            path.append(i)
+            up = i
+    on = set(path)
+    order = path + [i for i in order if i not in on]
     new = {old: j for j, old in enumerate(order)}
+    if subsets is not None:
+        for name, sub in others.items():
+            subsets[name] = frozenset(new[i] for i in sub)
     return DraftTree([toks[i] for i in order], [new[pars[i]] if pars[i] >= 0 else -1 for i in order]), order
 
 

@@ -79,6 +79,26 @@ def test_shaped_tree_respects_widths_and_is_lossless():
             assert max(depth_counts(list(t.parents))[0] for t in seen) > 1   # it does branch
 
 
+def test_shaped_tree_puts_best_path_first():
+    """The best path (the best child at each depth) leads, so its rows are causal rows for the
+    kernel and need no KV move when accepted; the rest stay best first and every prefix is a tree;
+    `subsets` indices follow the new order."""
+    from vllm_spec_plugins.proposers.lookahead import shaped_tree
+    #  candidates:    0    1    2    3    4    5    6
+    toks = [10, 11, 12, 13, 14, 15, 16]
+    pars = [-1, -1, 0, 0, 2, 1, -1]
+    score = [0.6, 0.3, 0.4, 0.1, 0.3, 0.2, 0.05]
+    order = sorted(range(7), key=lambda j: (-score[j], j))          # 0 2 1 4 5 3 6
+    subs = {}
+    tree, kept = shaped_tree(order, toks, pars, (3, 2, 1), 6, {"chain": (1, 1, 1)}, subs)
+    assert kept[:3] == [0, 2, 4] and tree.parents[:3] == [-1, 0, 1]   # path 0 -> 2 -> 4 first
+    assert kept[3:] == [1, 5, 6]                            # then best first (3: depth 2 is full)
+    assert tree.tokens == [toks[i] for i in kept]
+    for m in range(len(tree) + 1):                                      # every prefix is a tree
+        assert all(p < i for i, p in enumerate(tree.parents[:m]))
+    assert subs == {"chain": frozenset({0, 1, 2})}
+
+
 def test_no_speculation_arm_drafts_nothing_and_stays_lossless():
     f = pair_table_target(50, 0, 0.1)
     p = BanditTreeProposer(8, shapes=[[]], vocab_size=50)

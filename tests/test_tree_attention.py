@@ -35,8 +35,8 @@ def native(request):
     return request.param
 
 
-def plan_for(b, masks, native):
-    return (build_native_plan(b.seq_lens, b.qsl, masks) if native
+def plan_for(b, masks, native, skip_causal=True):
+    return (build_native_plan(b.seq_lens, b.qsl, masks, skip_causal) if native
             else build_tree_plan(b.block_tables, b.seq_lens, b.qsl, masks, BS))
 
 
@@ -127,9 +127,18 @@ class Batch:
         return out
 
     def tree_attention(self, masks, out=None, **kw):
-        out = torch.full_like(self.query, 7.0) if out is None else out
+        """Tree rows of `masks` as the forward pass leaves them: vLLM's causal kernel first (the
+        C kernel keeps its leading causal rows), then ours; other rows stay 7.0."""
+        out = self.prefilled(masks) if out is None else out
         cpu_tree_attention(self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
                            self.qsl, masks, self.scale, out, isa=self.isa, **kw)
+        return out
+
+    def prefilled(self, masks):
+        out = torch.full_like(self.query, 7.0)
+        causal = self.vllm_causal()
+        for r in masks:
+            out[self.rows(r)] = causal[self.rows(r)]
         return out
 
     def reference(self, r, mask):
@@ -184,7 +193,7 @@ def test_chain_equals_vllm_causal_kernel(H, Hkv, native):
     reproduce vLLM's own kernel."""
     b = Batch([(37, 8), (0, 5), (200, 16), (63, 1)], H=H, Hkv=Hkv, D=64)
     masks = {r: torch.ones(t, t).tril().bool() for r, t in enumerate(b.q_len)}
-    got = b.tree_attention(masks, native=native)
+    got = b.tree_attention(masks, out=torch.full_like(b.query, 7.0), plan=plan_for(b, masks, native, False))
     want = b.vllm_causal()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -192,7 +201,8 @@ def test_chain_equals_vllm_causal_kernel(H, Hkv, native):
 def test_chain_equals_vllm_causal_kernel_bf16(native):
     b = Batch([(37, 8), (200, 16)], H=9, Hkv=3, D=64, dtype=torch.bfloat16)   # amx where available
     masks = {r: torch.ones(t, t).tril().bool() for r, t in enumerate(b.q_len)}
-    got, want = b.tree_attention(masks, native=native), b.vllm_causal()
+    got = b.tree_attention(masks, out=torch.full_like(b.query, 7.0), plan=plan_for(b, masks, native, False))
+    want = b.vllm_causal()
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -227,7 +237,7 @@ def test_random_trees_batch(H, Hkv, native):
         else:
             assert (out[b.rows(r)] == 7.0).all()
     # out as [num_tokens, H * D], an explicit plan, a single request: same numbers
-    flat = torch.full((b.query.shape[0], H * 64), 7.0)
+    flat = b.prefilled(masks).view(b.query.shape[0], H * 64)
     b.tree_attention(masks, out=flat, plan=plan_for(b, masks, native))
     assert torch.equal(flat.view_as(out), out)
     one = b.tree_attention({3: masks[3]}, native=native)
@@ -263,6 +273,26 @@ def test_c_kernel_fuzz(bs, H, Hkv, D, dtype):
             assert (out[b.rows(r)] == 7.0).all()
 
 
+def test_c_kernel_skips_leading_causal_rows():
+    """Rows whose tree mask is the causal one (root and the tree's leading path) are left to vLLM's
+    causal kernel: the C kernel does not write them, and the rows it does write are the same
+    numbers as without skipping."""
+    from vllm_spec_plugins.tree_attention import causal_rows
+    assert causal_rows(DraftTree.from_chain([1, 2, 3]).ancestor_mask()) == 4
+    assert causal_rows(DraftTree([1, 2, 3], [-1, -1, -1]).ancestor_mask()) == 2
+    assert causal_rows(DraftTree([1, 2, 3, 4], [-1, -1, -1, 0]).ancestor_mask()) == 2
+    tree = DraftTree([1, 2, 3, 4, 5, 6], [-1, 0, 1, -1, 0, 3])      # leading path: nodes 0, 1, 2
+    assert causal_rows(tree.ancestor_mask()) == 4
+    b = Batch([(70, 7), (12, 3)], H=9, Hkv=3, D=64)
+    masks = {0: tree.ancestor_mask()}
+    skip = b.tree_attention(masks, out=torch.full_like(b.query, 7.0), plan=plan_for(b, masks, True))
+    full = b.tree_attention(masks, out=torch.full_like(b.query, 7.0), plan=plan_for(b, masks, True, False))
+    assert (skip[:4] == 7.0).all() and not (full[:4] == 7.0).any()
+    torch.testing.assert_close(skip[4:7], full[4:7], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(full[:4], b.vllm_causal()[:4], atol=1e-5, rtol=1e-5)
+    assert (skip[7:] == 7.0).all()
+
+
 @pytest.mark.parametrize("layout", ["plain", "probed"])
 def test_other_layouts(layout, monkeypatch, native):
     """The unpacked layout and the probed fallback (used for ISAs without a hand-written view,
@@ -279,7 +309,8 @@ def test_other_layouts(layout, monkeypatch, native):
     masks = {r: t.ancestor_mask() for r, t in trees.items()}
     out = torch.full_like(b.query, 7.0)
     cpu_tree_attention(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.qsl, masks,
-                       b.scale, out, isa="fake-isa" if layout == "probed" else "plain", native=native)
+                       b.scale, out, isa="fake-isa" if layout == "probed" else "plain",
+                       plan=plan_for(b, masks, native, False))
     for r in trees:
         torch.testing.assert_close(out[b.rows(r)], b.reference(r, masks[r]), atol=1e-5, rtol=1e-5)
     assert (out[b.rows(1)] == 7.0).all()

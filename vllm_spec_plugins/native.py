@@ -31,7 +31,7 @@ _ARGTYPES = (
     + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]       # key/value cache, strides
     + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]                        # out, strides
     + [ctypes.c_void_p, ctypes.c_int64]                                        # block table, stride
-    + [ctypes.c_int] + [ctypes.c_void_p] * 6                                   # nreq, req .. mask_off
+    + [ctypes.c_int] + [ctypes.c_void_p] * 7                                   # nreq, req .. mask_off, row0
     + [ctypes.c_int] * 4 + [ctypes.c_float] + [ctypes.c_int] * 2               # H, Hkv, D, bs, scale, dtype, layout
     + [ctypes.c_void_p, ctypes.c_void_p])                                      # k_off, v_off
 

@@ -333,7 +333,9 @@ def build_tree_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor | Sequenc
 class NativeTreePlan:
     """Host arrays of one step for the C kernel, built once and reused by every layer:
     tree request indices, their q_start / q_len / seq_len (int32), the masks concatenated
-    row-major (uint8) and each mask's offset (int64)."""
+    row-major (uint8), each mask's offset (int64) and each request's first row that is not
+    causal (int32: the rows before it, root and the tree's leading path, are what vLLM's causal
+    kernel already computed; the kernel skips them)."""
     arrays: tuple[torch.Tensor, ...]
 
     @property
@@ -342,9 +344,10 @@ class NativeTreePlan:
 
 
 def build_native_plan(seq_lens: torch.Tensor | Sequence[int], query_start_loc: torch.Tensor | Sequence[int],
-                      tree_masks: Mapping[int, torch.Tensor]) -> NativeTreePlan | None:
+                      tree_masks: Mapping[int, torch.Tensor], skip_causal: bool = True) -> NativeTreePlan | None:
     """Plan for the C kernel (None when there are no tree requests); checks shapes as
-    `build_tree_plan` does."""
+    `build_tree_plan` does. skip_causal: leave each request's leading causal rows to vLLM's
+    causal kernel (its output must already be in `out`, as in the forward pass)."""
     if not tree_masks:
         return None
     reqs, q_start, q_len, seq_len = _tree_rows(seq_lens, query_start_loc, tree_masks)
@@ -354,7 +357,14 @@ def build_native_plan(seq_lens: torch.Tensor | Sequence[int], query_start_loc: t
         offs.append(offs[-1] + T * T)
     i32 = functools.partial(torch.tensor, dtype=torch.int32)
     return NativeTreePlan((i32(reqs), i32(q_start), i32(q_len), i32(seq_len), torch.cat(masks),
-                           torch.tensor(offs, dtype=torch.int64)))
+                           torch.tensor(offs, dtype=torch.int64), i32([causal_rows(tree_masks[r]) if skip_causal else 0 for r in reqs])))
+
+
+def causal_rows(mask: torch.Tensor) -> int:
+    """How many leading rows of a [T, T] tree mask are causal rows (row t sees exactly 0..t)."""
+    T = mask.shape[0]
+    same = (mask.to(torch.bool) == torch.ones(T, T, dtype=torch.bool).tril()).all(dim=1)
+    return T if bool(same.all()) else int(same.to(torch.int8).argmin())
 
 
 _NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -380,7 +390,10 @@ def _native_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int
     return 1, k_off.to(torch.int32).contiguous(), v_off.to(torch.int32).contiguous()
 
 
-def _native_tree_attention(plan: NativeTreePlan, query, key_cache, value_cache, block_tables, scale, out, isa):
+def prepare_native(plan: NativeTreePlan, query, key_cache, value_cache, block_tables, scale, out, isa):
+    """The C kernel's call for one step, checked once: returns run(q, k, v, o), which takes the
+    data pointers of a layer's query, key / value cache and output (same shapes, strides and
+    dtypes as these) and runs the kernel. The forward pass calls it once per layer."""
     from vllm_spec_plugins import native
     N, H, D = query.shape
     _, Hkv, bs, _ = key_cache.shape
@@ -395,15 +408,23 @@ def _native_tree_attention(plan: NativeTreePlan, query, key_cache, value_cache, 
     bt = block_tables
     if bt.dtype != torch.int32 or bt.stride(1) != 1:
         bt = bt.to(torch.int32).contiguous()
-    rc = native.library()(
-        query.data_ptr(), query.stride(0), query.stride(1),
-        key_cache.data_ptr(), value_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1),
-        o3.data_ptr(), o3.stride(0), o3.stride(1), bt.data_ptr(), bt.stride(0),
-        plan.nreq, *(a.data_ptr() for a in plan.arrays), H, Hkv, D, bs, scale,
-        _NATIVE_DTYPES[query.dtype], layout,
-        k_off.data_ptr() if k_off is not None else None, v_off.data_ptr() if v_off is not None else None)
-    if rc != 0:
-        raise RuntimeError(f"C tree-attention kernel refused its inputs (rc={rc})")
+    fn = native.library()
+    q_s, c_s, o_s = (query.stride(0), query.stride(1)), (key_cache.stride(0), key_cache.stride(1)), \
+        (o3.stride(0), o3.stride(1))
+    rest = (bt.data_ptr(), bt.stride(0), plan.nreq, *(a.data_ptr() for a in plan.arrays), H, Hkv, D, bs,
+            scale, _NATIVE_DTYPES[query.dtype], layout,
+            k_off.data_ptr() if k_off is not None else None, v_off.data_ptr() if v_off is not None else None)
+
+    def run(q: int, k: int, v: int, o: int) -> None:
+        if fn(q, *q_s, k, v, *c_s, o, *o_s, *rest) != 0:
+            raise RuntimeError("C tree-attention kernel refused its inputs")
+    run.arrays = (plan, bt, k_off, v_off)                     # keeps the pointers above valid
+    return run
+
+
+def _native_tree_attention(plan: NativeTreePlan, query, key_cache, value_cache, block_tables, scale, out, isa):
+    prepare_native(plan, query, key_cache, value_cache, block_tables, scale, out, isa)(
+        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr())
     return out
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_spec_plugins.scorers import DraftTree, coupled_accept, greedy_accept, sampled_accept
+from vllm_spec_plugins.tree_attention import NativeTreePlan
 
 _SAMPLING_EPS = 1e-5
 
@@ -28,10 +29,11 @@ class TreeStep:
     rows: dict[int, DraftTree]                     # batch row -> tree verified this step
     masks: dict[int, torch.Tensor]                 # batch row -> [1+n, 1+n] ancestor mask
     accepted: dict[int, list[int]] = field(default_factory=dict)
-    kv_caches: dict[int, tuple] = field(default_factory=dict)   # data_ptr -> (K, V, isa) per layer
+    kv_caches: dict[int, tuple] = field(default_factory=dict)   # data_ptr -> (layer cache, isa)
     gen_states: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> its generator before sampling
     slot_mapping: torch.Tensor | None = None
     plan: object = None                            # tree_attention plan, built once per step
+    run: tuple | None = None                       # (layer signature, C kernel call, value offset)
 
 
 _current: TreeStep | None = None
@@ -104,16 +106,28 @@ def begin(runner, scheduler_output, pending: dict[str, DraftTree]) -> None:
 
 
 def attend(impl, layer, query, kv_cache, attn_metadata, output) -> None:
-    """Recompute the tree rows of one attention layer with the tree mask (CPU paged layout)."""
-    from vllm_spec_plugins.tree_attention import build_native_plan, build_tree_plan, cpu_tree_attention, native_supported
+    """Recompute the tree rows of one attention layer with the tree mask (CPU paged layout).
+    With the C kernel, the first layer of a step checks and prepares the call; the others (same
+    shapes) only pass their pointers."""
     step = _current
     if not step.masks:            # only chains this step: vLLM's causal kernel was exact
         return
+    step.kv_caches.setdefault(kv_cache.data_ptr(), (kv_cache, layer.isa))
+    if step.slot_mapping is None:
+        step.slot_mapping = attn_metadata.slot_mapping
+    sig = (query.shape, query.stride(), kv_cache.shape, kv_cache.stride(), output.shape, output.stride(),
+           query.dtype, kv_cache.dtype, impl.scale, layer.isa)
+    if step.run is not None and step.run[0] == sig:
+        ptr = kv_cache.data_ptr()
+        step.run[1](query.data_ptr(), ptr, ptr + step.run[2], output.data_ptr())
+        return
+    from vllm_spec_plugins.tree_attention import (build_native_plan, build_tree_plan, cpu_tree_attention,
+                                                  native_supported, prepare_native)
     if impl.sliding_window not in (None, -1) or impl.logits_soft_cap not in (None, 0) or impl.sinks is not None:
         raise NotImplementedError("tree verification does not support sliding-window, soft-capped "
                                   "or sink attention yet; use chain drafts for this model")
-    nb, h, bs, d2 = kv_cache.shape
-    key_cache, value_cache = kv_cache.view(nb, h, bs * 2, d2 // 2).chunk(2, dim=2)  # as vLLM does
+    key_cache, value_cache = _split(kv_cache)
+    bs = key_cache.shape[2]
     n = attn_metadata.num_actual_tokens
     if step.plan is None:      # same metadata for every layer of the step
         if native_supported(query, key_cache):
@@ -121,12 +135,21 @@ def attend(impl, layer, query, kv_cache, attn_metadata, output) -> None:
         else:
             step.plan = build_tree_plan(attn_metadata.block_table, attn_metadata.seq_lens,
                                         attn_metadata.query_start_loc, step.masks, bs, query.device)
+    if isinstance(step.plan, NativeTreePlan):
+        run = prepare_native(step.plan, query[:n], key_cache, value_cache, attn_metadata.block_table,
+                             impl.scale, output[:n], layer.isa)
+        step.run = (sig, run, value_cache.data_ptr() - kv_cache.data_ptr())
+        run(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), output.data_ptr())
+        return
     cpu_tree_attention(query[:n], key_cache, value_cache, attn_metadata.block_table,
                        attn_metadata.seq_lens, attn_metadata.query_start_loc, step.masks,
                        impl.scale, output[:n], isa=layer.isa, plan=step.plan)
-    step.kv_caches.setdefault(kv_cache.data_ptr(), (key_cache, value_cache, layer.isa))
-    if step.slot_mapping is None:
-        step.slot_mapping = attn_metadata.slot_mapping
+
+
+def _split(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's CPU layer cache [num_blocks, Hkv, block_size, 2 * D] as its key and value halves."""
+    nb, h, bs, d2 = kv_cache.shape
+    return kv_cache.view(nb, h, bs * 2, d2 // 2).chunk(2, dim=2)   # as vLLM does
 
 
 def save_generators(runner) -> None:
@@ -202,7 +225,8 @@ def accept(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output,
 def compact(kv_caches: list[tuple], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
     """Copy K and V of `src_slots` into `dst_slots` in every layer (vLLM's packed CPU layout)."""
     from vllm_spec_plugins.tree_attention import copy_kv_slots
-    for key_cache, value_cache, isa in kv_caches:
+    for kv_cache, isa in kv_caches:
+        key_cache, value_cache = _split(kv_cache)
         copy_kv_slots(key_cache, value_cache, src_slots, dst_slots, isa)
 
 

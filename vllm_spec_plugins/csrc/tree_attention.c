@@ -6,7 +6,9 @@
  *
  * Request r has q_len[r] = T query rows (root + nodes) and seq_len[r] = L keys; its first
  * P = L - T keys are the cached prefix (always visible), key P + j is visible to row t iff
- * mask[t * T + j]. Query head h reads kv head h / (H / Hkv).
+ * mask[t * T + j]. Query head h reads kv head h / (H / Hkv). Only rows t >= row0[r] are computed
+ * and written: rows before it see exactly the causal mask (the tree's first path, laid out first),
+ * so vLLM's causal kernel already wrote them.
  *
  * Cache: key_cache / value_cache point at element (block 0, kv head 0, slot 0, dim 0) of the two
  * halves of vLLM's [num_blocks, Hkv, 2 * block_size, D] layer cache; each (block, kv head) region
@@ -141,13 +143,13 @@ int tree_attention(const void *query, int64_t q_tok, int64_t q_head,
                    const int32_t *block_table, int64_t bt_stride,
                    int nreq, const int32_t *req, const int32_t *q_start, const int32_t *q_len,
                    const int32_t *seq_len, const uint8_t *mask, const int64_t *mask_off,
-                   int H, int Hkv, int D, int bs, float scale, int dtype, int layout,
+                   const int32_t *row0, int H, int Hkv, int D, int bs, float scale, int dtype, int layout,
                    const int32_t *k_off, const int32_t *v_off) {
     if (H <= 0 || Hkv <= 0 || H % Hkv || D <= 0 || D % CB || bs <= 0 || (dtype != 0 && dtype != 1)) return -1;
     int g = H / Hkv, tmax = 0;
     for (int r = 0; r < nreq; r++) {
-        if (q_len[r] <= 0 || seq_len[r] < q_len[r]) return -1;
-        if (q_len[r] > tmax) tmax = q_len[r];
+        if (q_len[r] <= 0 || seq_len[r] < q_len[r] || row0[r] < 0 || row0[r] > q_len[r]) return -1;
+        if (q_len[r] - row0[r] > tmax) tmax = q_len[r] - row0[r];
     }
     int rows_max = (g * tmax + RB - 1) / RB * RB;
     int ldS = (bs + CB - 1) / CB * CB;
@@ -159,17 +161,18 @@ int tree_attention(const void *query, int64_t q_tok, int64_t q_head,
     float *Kb = S + (size_t)rows_max * ldS, *Vb = Kb + (size_t)D * ldS, *m = Vb + (size_t)bs * D, *l = m + rows_max;
 
     for (int r = 0; r < nreq; r++) {
-        int T = q_len[r], L = seq_len[r], P = L - T, rows = g * T;
+        int T = q_len[r], L = seq_len[r], P = L - T, t0 = row0[r], Tn = T - t0, rows = g * Tn;
+        if (Tn == 0) continue;
         int rows_p = (rows + RB - 1) / RB * RB;
         const uint8_t *mk = mask + mask_off[r];
         const int32_t *bt = block_table + (int64_t)req[r] * bt_stride;
         for (int kh = 0; kh < Hkv; kh++) {
-            /* rows (gi, t): query head kh * g + gi, token q_start + t; pre-scaled as vLLM does */
+            /* rows (gi, t): query head kh * g + gi, token q_start + t0 + t; pre-scaled as vLLM does */
             memset(Q, 0, (size_t)rows_p * D * sizeof(float));
             for (int gi = 0; gi < g; gi++)
-                for (int t = 0; t < T; t++) {
-                    size_t base = (size_t)(q_start[r] + t) * q_tok + (size_t)(kh * g + gi) * q_head;
-                    float *q = Q + (size_t)(gi * T + t) * D;
+                for (int t = 0; t < Tn; t++) {
+                    size_t base = (size_t)(q_start[r] + t0 + t) * q_tok + (size_t)(kh * g + gi) * q_head;
+                    float *q = Q + (size_t)(gi * Tn + t) * D;
                     for (int d = 0; d < D; d++) q[d] = load(query, base + d, dtype) * scale;
                 }
             memset(O, 0, (size_t)rows_p * D * sizeof(float));
@@ -214,7 +217,7 @@ int tree_attention(const void *query, int64_t q_tok, int64_t q_head,
                 int tree0 = P - b0, nc = (n + CB - 1) / CB * CB;   /* first tree key here (may be <0) */
                 for (int i = 0; i < rows; i++) {
                     float *s = S + (size_t)i * ldS;
-                    const uint8_t *mrow = mk + (size_t)(i % T) * T;
+                    const uint8_t *mrow = mk + (size_t)(t0 + i % Tn) * T;
                     for (int j = tree0 > 0 ? tree0 : 0; j < n; j++)
                         if (!mrow[b0 + j - P]) s[j] = -INFINITY;
                     for (int j = n; j < nc; j++) s[j] = -INFINITY;
@@ -245,11 +248,11 @@ int tree_attention(const void *query, int64_t q_tok, int64_t q_head,
             }
 
             for (int gi = 0; gi < g; gi++)
-                for (int t = 0; t < T; t++) {
-                    int i = gi * T + t;
+                for (int t = 0; t < Tn; t++) {
+                    int i = gi * Tn + t;
                     float inv = 1.0f / l[i];
                     const float *o = O + (size_t)i * D;
-                    size_t base = (size_t)(q_start[r] + t) * o_tok + (size_t)(kh * g + gi) * o_head;
+                    size_t base = (size_t)(q_start[r] + t0 + t) * o_tok + (size_t)(kh * g + gi) * o_head;
                     if (dtype) {
                         uint16_t *dst = (uint16_t *)out + base;
                         for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(o[d] * inv);

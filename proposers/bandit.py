@@ -181,6 +181,8 @@ class BanditTreeProposer(LookaheadProposer):
         if drafter is not None:
             from .mamba import MambaProposer
             self.mamba = MambaProposer(depth, drafter, max_requests)
+            self.mamba.clock = clock         # its one-off seconds are subtracted from ours: one clock
+        self.once_s = 0.0                    # the drafter's one-off seconds in the last proposal
         self._allowed: dict[int, list[int]] = {}
         self.none_arm = self.shapes.index(()) if () in self.shapes else None
         self.subsets: dict[str, tuple] = {}   # req id -> (nodes, is chain, {arm: node set}) drafted last step
@@ -271,7 +273,9 @@ class BanditTreeProposer(LookaheadProposer):
         self._ids, timed = continues(self._ids, ctx.requests)
         if self.last_start is not None and timed:
             tokens, rows = ctx.tokens_run(), len(ctx.requests)
-            seconds, drafts = now - self.last_start, any(r.drafts for r in ctx.requests)
+            # A new request's prompt scan by the drafter is one-off work that no arm chose: not a
+            # step cost (one such scan in a handful of pulls sank a tree arm for a whole run).
+            seconds, drafts = now - self.last_start - self.once_s, any(r.drafts for r in ctx.requests)
             ratio = None           # measured / predicted, within [1/3, 3]: one stall must not sink an arm
             if self.cost.n:
                 ratio = min(max(seconds / max(self.cost.predict(tokens, drafts, rows), 1e-9), 1 / 3), 3.0)
@@ -290,6 +294,7 @@ class BanditTreeProposer(LookaheadProposer):
             arms = self.sync(arms)
         k = ctx.budget(self.k)
         cands = None
+        once0 = self.mamba.once_seconds if self.mamba is not None else 0.0
         if self.mamba is not None:      # one batched drafter pass for the rows whose arm drafts
             pull = {i: self.shapes[arms[self.key_of(r)]] for i, r in enumerate(ctx.requests) if r.sampled and k}
             pull = {i: s for i, s in pull.items() if s}
@@ -328,6 +333,7 @@ class BanditTreeProposer(LookaheadProposer):
             if len(tree):
                 self.subsets[req.req_id] = (len(tree), tree.is_chain, subs)
             out.append(tree)
+        self.once_s = self.mamba.once_seconds - once0 if self.mamba is not None else 0.0
         for arm, v in drafted.items():
             self.nodes[arm] = 0.9 * self.nodes[arm] + 0.1 * sum(v) / len(v)
         self.steps += 1

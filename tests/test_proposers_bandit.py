@@ -140,6 +140,33 @@ def chosen(p, skip=0):
     return {shape_name(p.shapes[a]): arms.count(a) / len(arms) for a in set(arms)}
 
 
+def test_drafters_prompt_scan_is_not_an_arms_cost():
+    """With a Mamba drafter, a new request's prompt scan (one-off work no arm chose) is left out
+    of the step seconds the arms are rewarded with (it once sank a tree arm for a whole run)."""
+    import torch
+
+    from vllm_spec_plugins.proposers.mamba import StateSpaceDrafter
+    torch.manual_seed(0)
+    emb = torch.randn(50, 32)
+    d = StateSpaceDrafter({"kind": "mamba", "head_dim": 16, "d_state": 8, "chunk": 8}, emb, emb,
+                          torch.arange(50)).eval()
+    f = pair_table_target(50, 5, 0.05, branching=3)
+    prompts = [np.random.default_rng(s).integers(0, 50, 24).tolist() for s in range(3)]
+    clock = CostClock(1.0, 0.01)
+    p = BanditTreeProposer(8, shapes=[[1], [2, 1]], clock=clock, vocab_size=50, drafter=d)
+    scan = p.mamba._scan_from
+
+    def costly_scan(req_id, tokens, snap):
+        if snap is None:
+            clock.t += 100.0          # a prompt scan: 100 steps' worth
+        return scan(req_id, tokens, snap)
+    p.mamba._scan_from = costly_scan
+    run_bandit(p, clock, f, prompts, 40)
+    assert p.mamba.once_seconds >= 300.0
+    assert p.history and max(s for *_, s in p.history) < 10.0
+    assert min(s for *_, s in p.history) > 0.5       # tokens per second: no step was charged 100 s
+
+
 def test_bandit_speculates_when_cheap_and_backs_off_when_costly():
     f = pair_table_target(50, 5, 0.05, branching=3)
     prompts = [np.random.default_rng(s).integers(0, 50, 24).tolist() for s in range(4)]

@@ -16,8 +16,8 @@ slot, what a user pays for: the tokens a step makes per request with that shape 
 seconds are priced by a cost model fitted online to every step's measured time (`StepCost`,
 shared with `goodput`: a + b * tokens run + a jump for any step that verifies drafts, growing
 with the batch; the time between two proposals, drafting included), times the arm's own mean
-ratio of measured to predicted seconds (what the linear model misses: a tree step's mask, a
-wide tree's drafting). Why not each arm's mean raw step time: under continuous traffic every
+ratio of measured to predicted seconds, predicted by the model as fitted now (what the linear
+model misses: a tree step's mask, a wide tree's drafting). Why not each arm's mean raw step time: under continuous traffic every
 step also runs prefill work whose size has nothing to do with the arm, and at batch 32 that
 noise swamped the drafts' own cost (raw per-arm means kept choosing chains that lost 4-17% to
 plain in the load runs); the fit explains the prefill tokens, every step informs it, and an
@@ -68,10 +68,16 @@ def shape_name(s: tuple) -> str:
     return "-".join(map(str, s)) if s else "none"
 
 
+UNIT = (1.0, 0.0, 0.0, 0.0)      # cost features / weights of "1 per step"
+
+
 class DiscountedUCB:
     """Arms 0..n-1. An arm's rate is its mean tokens per request per step over its price: the cost
-    model's prediction for a step with it times the arm's own mean ratio of measured to predicted
-    seconds over its pulls (what the linear model misses, e.g. a tree step's mask). Tokens,
+    model's prediction for a step with it times the arm's own ratio of measured to predicted
+    seconds over its pulls (what the linear model misses, e.g. a tree step's mask). The ratio is
+    taken against the cost model as it is now (`rate(w=...)`: each pull's cost features are kept,
+    summed): ratios against the model of the time went stale as its fit moved, and sank arms
+    pulled early (a run where the 3-1 tree measured 52 tokens/s per request was rated 37). Tokens,
     discounted, are also known for arms that were not pulled: a shape whose tree is a subset of
     the verified one would have accepted exactly the verified accepted nodes inside it
     (`step(tokens=...)`), and "no speculation" always makes 1. Ratios are only measured for
@@ -87,45 +93,51 @@ class DiscountedUCB:
         self.ntok = [0.0] * n_arms
         self.tok = [0.0] * n_arms
         self.nres = [0.0] * n_arms
-        self.res = [0.0] * n_arms
+        self.res = [0.0] * n_arms                        # measured seconds
+        self.resx = [[0.0] * 4 for _ in range(n_arms)]   # their steps' cost features
         self.pulls = [0] * n_arms
 
     def tokens(self, a: int) -> float | None:
         return self.tok[a] / self.ntok[a] if self.ntok[a] > 1e-9 else None
 
-    def rate(self, a: int, price: list[float]) -> float | None:
+    def rate(self, a: int, price: list[float], w=UNIT) -> float | None:
+        """Mean tokens / (price * measured over predicted seconds); w: the cost model's weights
+        (`StepCost.weights`; the default predicts 1 per step: the ratio is the mean seconds)."""
         if self.ntok[a] < 1e-9 or self.nres[a] < 1e-9:
             return None
-        return self.tok[a] / self.ntok[a] / max(price[a] * self.res[a] / self.nres[a], 1e-9)
+        ratio = self.res[a] / max(sum(c * x for c, x in zip(w, self.resx[a])), 1e-12)
+        return self.tok[a] / self.ntok[a] / max(price[a] * ratio, 1e-9)
 
-    def choose(self, price: list[float], allowed: list[int] | None = None) -> int:
+    def choose(self, price: list[float], allowed: list[int] | None = None, w=UNIT) -> int:
         arms = range(len(self.ntok)) if allowed is None else allowed
         for a in arms:
             if self.nres[a] < 1e-3 or self.ntok[a] < 1e-3:
                 return a
-        rates = {a: self.rate(a, price) or 0.0 for a in arms}
+        rates = {a: self.rate(a, price, w) or 0.0 for a in arms}
         scale = max(rates.values()) or 1.0
         n = {a: min(self.ntok[a], 4 * self.nres[a]) for a in arms}
         log_n = math.log(max(sum(self.nres[a] for a in arms), 1.0))
         return max(arms, key=lambda a: rates[a] + self.c * scale * math.sqrt(2 * log_n / n[a]))
 
-    def step(self, arm: int, tokens: dict[int, float], ratio: float | None = None) -> bool:
-        """One step: `arm` was pulled, its step took `ratio` times the seconds the cost model
-        predicted; `tokens` {arm: tokens per request} for the pulled arm and every arm whose
-        outcome is known. Returns whether the step's time counts (past the arm's warmup)."""
+    def step(self, arm: int, tokens: dict[int, float], seconds: float | None = None, x=UNIT) -> bool:
+        """One step: `arm` was pulled, its step took `seconds` with cost features `x`
+        (`StepCost.features`); `tokens` {arm: tokens per request} for the pulled arm and every
+        arm whose outcome is known. Returns whether the step's time counts (past the arm's warmup)."""
         g = self.g
-        self.ntok = [x * g for x in self.ntok]
-        self.tok = [x * g for x in self.tok]
-        self.nres = [x * g for x in self.nres]
-        self.res = [x * g for x in self.res]
+        self.ntok = [v * g for v in self.ntok]
+        self.tok = [v * g for v in self.tok]
+        self.nres = [v * g for v in self.nres]
+        self.res = [v * g for v in self.res]
+        self.resx = [[v * g for v in r] for r in self.resx]
         for a, t in tokens.items():
             self.ntok[a] += 1.0
             self.tok[a] += t
         self.pulls[arm] += 1
         timed = self.pulls[arm] > self.warmup
-        if timed and ratio is not None:
+        if timed and seconds is not None:
             self.nres[arm] += 1.0
-            self.res[arm] += ratio
+            self.res[arm] += seconds
+            self.resx[arm] = [r + v for r, v in zip(self.resx[arm], x)]
         return timed
 
     def seed(self, other: "DiscountedUCB", weight: float = 8.0) -> None:
@@ -136,6 +148,9 @@ class DiscountedUCB:
                 if n > 1e-9:
                     w = min(n, weight)
                     mine_n[a], mine_v[a] = w, v_[a] / n * w
+        for a, n in enumerate(other.nres):
+            if n > 1e-9:
+                self.resx[a] = [v / n * min(n, weight) for v in other.resx[a]]
 
 
 class BanditTreeProposer(LookaheadProposer):
@@ -262,7 +277,8 @@ class BanditTreeProposer(LookaheadProposer):
         """Tokens per second per request of each arm in context `ctx` at its bucket's batch size
         (None while its tokens are unmeasured)."""
         t, price = self.tables[ctx], self.price(ctx[1])
-        return [t.rate(a, price) for a in range(len(self.shapes))]
+        w = self.cost.weights() or UNIT
+        return [t.rate(a, price, w) for a in range(len(self.shapes))]
 
     # ---- one step ----------------------------------------------------------------------------
     def propose(self, ctx: StepContext) -> list:
@@ -276,10 +292,11 @@ class BanditTreeProposer(LookaheadProposer):
             # A new request's prompt scan by the drafter is one-off work that no arm chose: not a
             # step cost (one such scan in a handful of pulls sank a tree arm for a whole run).
             seconds, drafts = now - self.last_start - self.once_s, any(r.drafts for r in ctx.requests)
-            ratio = None           # measured / predicted, within [1/3, 3]: one stall must not sink an arm
+            timing = None          # (seconds within [1/3, 3] x predicted: one stall must not sink an arm, features)
             if self.cost.n:
-                ratio = min(max(seconds / max(self.cost.predict(tokens, drafts, rows), 1e-9), 1 / 3), 3.0)
-            if not self.pending or self._reward(live, seconds, ratio):
+                pred = max(self.cost.predict(tokens, drafts, rows), 1e-9)
+                timing = (min(max(seconds, pred / 3), 3 * pred), self.cost.features(tokens, drafts, rows))
+            if not self.pending or self._reward(live, seconds, timing):
                 self.cost.observe(tokens, seconds, drafts, rows)
         self.pending, self.subsets = {}, {}
         bucket = batch_bucket(len(live))
@@ -287,7 +304,8 @@ class BanditTreeProposer(LookaheadProposer):
         price = self.price(len(live))
         # a step without drafts now and then keeps the cost fit's jump measured
         plain = self.none_arm is not None and self.cost.n > 0 and self.cost.plain_weight < 0.5
-        arms = {kk: self.table((kk, bucket)).choose(price, self.allowed(bucket)) for kk in keys}
+        w = self.cost.weights() or UNIT
+        arms = {kk: self.table((kk, bucket)).choose(price, self.allowed(bucket), w) for kk in keys}
         if plain and all(self.table((kk, bucket)).nres[self.none_arm] > 0 for kk in keys):
             arms = dict.fromkeys(keys, self.none_arm)
         if self.sync is not None:
@@ -343,7 +361,7 @@ class BanditTreeProposer(LookaheadProposer):
             logger.info("vllm-spec-plugins bandit_tree: %s", self.describe())
         return out
 
-    def _reward(self, live: list[RequestStep], seconds: float, ratio: float | None) -> bool:
+    def _reward(self, live: list[RequestStep], seconds: float, timing: tuple | None) -> bool:
         """Tokens per request of last step's arms (and of the arms whose outcome is known), and
         the step's measured / predicted seconds for its arm when one arm ran it; the history
         keeps the pulled arm's measured reward, tokens per request / the step's seconds. Returns
@@ -364,7 +382,7 @@ class BanditTreeProposer(LookaheadProposer):
                 continue
             n = len(got[arm])   # side observations only where known for every request
             tokens = {a: sum(v) / len(v) for a, v in got.items() if len(v) == n}
-            timed &= self.table((kk, bucket)).step(arm, tokens, ratio if single else None)
+            timed &= self.table((kk, bucket)).step(arm, tokens, *(timing if single and timing else (None,)))
             self.history.append((self.steps, kk, bucket, arm, tokens[arm] / max(seconds, 1e-9)))
         return timed
 

@@ -39,7 +39,7 @@ class StepCost:
             return
         if self.n >= 16:                       # one stall (GC, another process) must not set the price
             seconds = min(seconds, 3.0 * self.predict(tokens, drafts, rows))
-        x = np.array([1.0, tokens, float(drafts), float(drafts) * rows])
+        x = np.array(self.features(tokens, drafts, rows))
         self.xtx = self.xtx * self.g + np.outer(x, x)
         self.xty = self.xty * self.g + x * seconds
         self.plain_weight = self.plain_weight * self.g + (not drafts)
@@ -65,6 +65,15 @@ class StepCost:
             return None
         return max(float(w[0]), 0.0), float(w[1]), float(w[2] + w[3] * rows)
 
+    def weights(self) -> list[float] | None:
+        """[a, b, c0, c1] as `predict` uses them (a >= 0): predict = weights . features."""
+        w = self.coef()
+        return None if w is None else [max(float(w[0]), 0.0), float(w[1]), float(w[2]), float(w[3])]
+
+    @staticmethod
+    def features(tokens: float, drafts: bool = False, rows: int = 1) -> list[float]:
+        return [1.0, float(tokens), float(drafts), float(drafts) * rows]
+
     def predict(self, tokens: float, drafts: bool = False, rows: int = 1) -> float:
-        a, b, jump = self.fit(rows) or (0.0, 0.0, 0.0)
-        return a + b * tokens + (jump if drafts else 0.0)
+        w = self.weights()
+        return 0.0 if w is None else sum(a * x for a, x in zip(w, self.features(tokens, drafts, rows)))

@@ -52,6 +52,23 @@ def test_ucb_finds_best_arm_and_tracks_drift():
     assert b2.nres[3] == min(b.nres[3], 8.0) and b2.rate(3, [1.0] * 4) == pytest.approx(b.rate(3, [1.0] * 4))
 
 
+def test_rate_prices_past_pulls_with_the_cost_model_of_now():
+    """An arm's measured/predicted ratio is taken against the cost model as fitted now: at the
+    features it ran with, its rate is its tokens over its measured seconds, whatever the model
+    said when it was pulled (ratios against the model of the time sank early-pulled tree arms)."""
+    from vllm_spec_plugins.proposers.cost import StepCost
+    b = DiscountedUCB(2, exploration=0.0, discount=1.0, warmup=0)
+    x_tree, x_chain = StepCost.features(5, True, 1), StepCost.features(3, True, 1)
+    for _ in range(3):
+        b.step(0, {0: 1.7, 1: 1.45}, 0.036, x_tree)
+        b.step(1, {1: 1.45}, 0.034, x_chain)
+    for w in ([0.0, 0.0001, 0.0, 0.0], [0.029, 0.0017, 0.0003, 0.0], [0.01, 0.005, 0.002, 0.001]):
+        price = [sum(c * v for c, v in zip(w, x)) for x in (x_tree, x_chain)]
+        assert b.rate(0, price, w) == pytest.approx(1.7 / 0.036)
+        assert b.rate(1, price, w) == pytest.approx(1.45 / 0.034)
+        assert b.choose(price, None, w) == 0
+
+
 def test_shaped_tree_respects_widths_and_is_lossless():
     V = 50
     f = pair_table_target(V, 3, 0.1, branching=3)
@@ -244,7 +261,7 @@ def test_side_observations_are_exact_for_sub_shapes():
     clock = CostClock(1.0, 0.01)
     p = BanditTreeProposer(8, shapes=[[], [1], [1, 1, 1, 1]], clock=clock, vocab_size=50)
     table = p.table(("global", 1))
-    table.choose = lambda price, allowed=None: 2    # always pull the depth-4 chain
+    table.choose = lambda price, allowed=None, w=None: 2    # always pull the depth-4 chain
     eng = ToyEngine(p, f, vocab_size=50)
     eng.add("r", prompt, 300)
     while eng.reqs:
@@ -257,7 +274,7 @@ def test_side_observations_are_exact_for_sub_shapes():
     p2 = BanditTreeProposer(8, shapes=[[], [1], [1, 1, 1, 1]], clock=CostClock(1.0, 0.01), discount=1.0,
                             vocab_size=50)
     t2 = p2.table(("global", 1))
-    t2.choose = lambda price, allowed=None: 2
+    t2.choose = lambda price, allowed=None, w=None: 2
     eng = ToyEngine(p2, f, vocab_size=50)
     eng.add("r", prompt, 300)
     while eng.reqs:

@@ -17,10 +17,10 @@ seconds are priced by a cost model fitted online to every step's measured time (
 shared with `goodput`: a + b * tokens run + a jump for any step that verifies drafts, growing
 with the batch; the time between two proposals, drafting included), times the arm's own mean
 ratio of measured to predicted seconds, predicted by the model as fitted now (what the linear
-model misses: a tree step's mask, a wide tree's drafting). Why not each arm's mean raw step time: under continuous traffic every
-step also runs prefill work whose size has nothing to do with the arm, and at batch 32 that
-noise swamped the drafts' own cost (raw per-arm means kept choosing chains that lost 4-17% to
-plain in the load runs); the fit explains the prefill tokens, every step informs it, and an
+model misses: a tree step's mask, a wide tree's drafting). Why not each arm's mean raw step
+time: under continuous traffic every step also runs prefill work whose size has nothing to do
+with the arm, and at batch 32 that noise swamped the drafts' own cost (raw per-arm means kept
+choosing chains that lost 4-17% to plain in the load runs); the fit explains the prefill tokens, every step informs it, and an
 arm is priced at any batch size. Why UCB, discounted:
 * tokens per step are a small noisy count with no convenient conjugate model for the ratio
   Thompson sampling would need, while UCB only needs a scale (the best arm's value here);

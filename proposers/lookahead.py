@@ -549,7 +549,8 @@ class LookaheadProposer(Proposer):
     def _propose_tree(self, st: _State, req: RequestStep, k: int, widths: "list[int] | None" = None,
                       also: "dict | None" = None, subsets: "dict | None" = None) -> "DraftTree | list[int]":
         """The draft tree: candidates merged as a trie, each node scored with its estimated
-        probability of acceptance, the best `min(tree_nodes, k)` nodes kept (in `shaped_tree`'s order: best path, then best first).
+        probability of acceptance, the best `min(tree_nodes, k)` nodes kept, in `shaped_tree`'s
+        order (the best path, then best first).
         `widths` (a shape: at most widths[d] nodes at depth d+1, depth <= len(widths)) keeps,
         best first, every node whose parent is kept and whose depth still has room. `also`
         {name: shape}: other shapes; for each whose tree is a subset of this one (so its

@@ -482,7 +482,9 @@ def cpu_tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache
     native: True forces the C kernel, False the torch path; None picks by the plan, else the
     kernel wherever `native_supported`.
 
-    C kernel: per request and kv head, an online softmax over the cache blocks (module doc).
+    C kernel: per request and kv head, an online softmax over the cache blocks (module doc). With
+    a plan built by default (`build_native_plan(skip_causal=True)`) it leaves each request's
+    leading causal rows as they are in `out`: in the forward pass vLLM's causal kernel wrote them.
     Torch path: all tree requests run as one padded batch. vec/vec16 caches (K stored transposed): two
     GEMMs + softmax in fp32, like vLLM's vec kernel. Other layouts (amx): one SDPA call in the
     query dtype (fp32 accumulation inside), like vLLM's AMX kernel.

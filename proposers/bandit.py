@@ -382,7 +382,8 @@ class BanditTreeProposer(LookaheadProposer):
                 continue
             n = len(got[arm])   # side observations only where known for every request
             tokens = {a: sum(v) / len(v) for a, v in got.items() if len(v) == n}
-            timed &= self.table((kk, bucket)).step(arm, tokens, *(timing if single and timing else (None,)))
+            seconds_x = timing if single and timing is not None else (None, UNIT)   # timed: one arm ran it
+            timed &= self.table((kk, bucket)).step(arm, tokens, *seconds_x)
             self.history.append((self.steps, kk, bucket, arm, tokens[arm] / max(seconds, 1e-9)))
         return timed
 

@@ -60,13 +60,11 @@ class StepCost:
     def fit(self, rows: int = 1) -> tuple[float, float, float] | None:
         """(a, b, jump at `rows` rows) as plain floats (callers' state crosses processes over
         msgpack), or None before the first observation."""
-        w = self.coef()
-        if w is None:
-            return None
-        return max(float(w[0]), 0.0), float(w[1]), float(w[2] + w[3] * rows)
+        w = self.weights()
+        return None if w is None else (w[0], w[1], w[2] + w[3] * rows)
 
     def weights(self) -> list[float] | None:
-        """[a, b, c0, c1] as `predict` uses them (a >= 0): predict = weights . features."""
+        """[a, b, c0, c1] as plain floats, a >= 0: predict = weights . features."""
         w = self.coef()
         return None if w is None else [max(float(w[0]), 0.0), float(w[1]), float(w[2]), float(w[3])]
 

@@ -356,8 +356,9 @@ def build_native_plan(seq_lens: torch.Tensor | Sequence[int], query_start_loc: t
     for T in q_len[:-1]:
         offs.append(offs[-1] + T * T)
     i32 = functools.partial(torch.tensor, dtype=torch.int32)
+    row0 = [causal_rows(tree_masks[r]) if skip_causal else 0 for r in reqs]
     return NativeTreePlan((i32(reqs), i32(q_start), i32(q_len), i32(seq_len), torch.cat(masks),
-                           torch.tensor(offs, dtype=torch.int64), i32([causal_rows(tree_masks[r]) if skip_causal else 0 for r in reqs])))
+                           torch.tensor(offs, dtype=torch.int64), i32(row0)))
 
 
 def causal_rows(mask: torch.Tensor) -> int:

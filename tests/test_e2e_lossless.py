@@ -218,3 +218,14 @@ def test_request_at_max_model_len_keeps_the_batch_drafting(default_model, heldou
     assert got["outputs"][:-1] == plain["outputs"]
     assert got["outputs"][-1] == alone["groups"]["all"]["outputs"][0]
     assert got["accepted"] == got["draft_tokens"] > 0, got
+
+
+def test_warm_rows_tagged_like_measured_rows(default_model, heldout_prompts):
+    """The benchmark's warm-up rows carry their category as measured rows do, so a bandit keyed
+    by it (`scope: field:category`) has learned from them (they used to land in "global")."""
+    chat = [r for r in heldout_prompts if r["category"] == "chat"][:1]
+    code = [r for r in heldout_prompts if r["category"] == "code"][:2]
+    spec = {"method": "bandit_tree", "num_speculative_tokens": 6, "scope": "field:category"}
+    res = run_isolated(_job(default_model, chat, spec, warm=code, tag_category=True, report_plugin_state=True))
+    tables = res["plugin_state"][0]["bandit"]["tables"]
+    assert "code|1" in tables and sum(tables["code|1"]["pulls"]) > 8, tables.keys()

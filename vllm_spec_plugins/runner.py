@@ -77,6 +77,12 @@ def run(job: dict) -> dict:
     return eng.finish()
 
 
+def _params(sp: dict, category: str | None):
+    """SamplingParams of one request; `category` goes to extra_args (a key for bandit_tree's scope)."""
+    from vllm import SamplingParams
+    return SamplingParams(**sp, extra_args={"category": category}) if category else SamplingParams(**sp)
+
+
 class _Engine:
     """One engine of a job: `group` serves a prompt set and returns its measurements."""
 
@@ -104,8 +110,9 @@ class _Engine:
         llm.generate([TokensPrompt(prompt_token_ids=tok.encode("Hello"))],
                      SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
         if job.get("warm"):     # served first, not measured (state shared across requests warms up)
+            tag = job.get("tag_category")   # tagged as measured rows are: bandit tables keyed by category warm up
             llm.generate([TokensPrompt(prompt_token_ids=p) for p in to_token_prompts(tok, job["warm"])],
-                         SamplingParams(**sp), use_tqdm=False)
+                         [_params(sp, r.get("category") if tag else None) for r in job["warm"]], use_tqdm=False)
             if slots > batch:   # measured at batch_size: vLLM's admission cap (in-process engine)
                 llm.llm_engine.engine_core.engine_core.scheduler.max_num_active_reqs = batch
         self.result = {"startup_s": startup, "groups": {}}
@@ -120,9 +127,7 @@ class _Engine:
             self.result.setdefault("group_start_step", {}).setdefault(name, llm.collective_rpc(plugin_steps)[0])
         prompts = to_token_prompts(self.tok, rows)
         per_request = job.get("per_request_params")
-        params = SamplingParams(**sp)
-        if job.get("tag_category"):      # SamplingParams.extra_args: a key for bandit_tree's scope
-            params = SamplingParams(**sp, extra_args={"category": name})
+        params = _params(sp, name if job.get("tag_category") else None)
         m0 = spec_metrics(llm)
         if job.get("report_plugin_stats"):
             from vllm_spec_plugins.proposer import plugin_stats

@@ -42,7 +42,7 @@ from collections import deque
 
 from .base import RequestStep, StepContext
 from .cost import StepCost, batch_bucket, continues
-from .lookahead import LookaheadProposer, shaped_tree
+from .lookahead import LookaheadProposer, _select, shaped_tree
 
 logger = logging.getLogger("vllm_spec_plugins")
 
@@ -64,6 +64,22 @@ def shape_family(max_depth: int, max_width: int, node_budget: int, backoff: bool
     return out
 
 
+def greedy_tokens(nodes: list[tuple[int, int, int]], made: list[int]) -> int | None:
+    """Tokens a draft tree would have made in a greedy step that made `made` (its accepted drafts
+    and the bonus token: made[i] is the target's argmax after made[:i]). nodes: (id, token,
+    parent id or -1). None where it depends on a target token past `made` (the tree accepts all
+    of them and goes on below)."""
+    up, n = -1, 0
+    while True:
+        kids = [(j, t) for j, t, p in nodes if p == up]
+        if n == len(made):
+            return None if kids else n + 1
+        up = next((j for j, t in kids if t == made[n]), None)
+        if up is None:
+            return n + 1
+        n += 1
+
+
 def shape_name(s: tuple) -> str:
     return "-".join(map(str, s)) if s else "none"
 
@@ -80,7 +96,9 @@ class DiscountedUCB:
     pulled early (a run where the 3-1 tree measured 52 tokens/s per request was rated 37). Tokens,
     discounted, are also known for arms that were not pulled: a shape whose tree is a subset of
     the verified one would have accepted exactly the verified accepted nodes inside it
-    (`step(tokens=...)`), and "no speculation" always makes 1. Ratios are only measured for
+    (`step(tokens=...)`), "no speculation" always makes 1, and in a greedy step with the Mamba
+    drafter so is every arm no deeper than the pulled one (`greedy_tokens`: its tree is drafted
+    as wide as the widest arm). Ratios are only measured for
     the pulled arm, and its first `warmup` pulls are not: the first steps of a new token count
     pay one-off kernel set-up (oneDNN here, CUDA graphs / autotuning on GPUs).
 
@@ -316,8 +334,11 @@ class BanditTreeProposer(LookaheadProposer):
         if self.mamba is not None:      # one batched drafter pass for the rows whose arm drafts
             pull = {i: self.shapes[arms[self.key_of(r)]] for i, r in enumerate(ctx.requests) if r.sampled and k}
             pull = {i: s for i, s in pull.items() if s}
-            cands = self.mamba.draft_tree(ctx, pull, min(max(map(len, pull.values()), default=0), k),
-                                          max((max(s) for s in pull.values()), default=1))
+            # as wide as any allowed arm: the leaves a narrower pull leaves out still tell, in a
+            # greedy step, what the wider arms would have made (`greedy_tokens`)
+            wide = max((max(s) for s in [self.shapes[a] for a in self.allowed(bucket)] + list(pull.values()) if s),
+                       default=1)
+            cands = self.mamba.draft_tree(ctx, pull, min(max(map(len, pull.values()), default=0), k), wide)
         out: list = []
         drafted: dict[int, list[int]] = {}
         for i, req in enumerate(ctx.requests):
@@ -340,16 +361,23 @@ class BanditTreeProposer(LookaheadProposer):
                 out.append([])
                 continue
             subs: dict[int, frozenset] = {}
+            wider: dict[int, list] = {}
             also = {a: self.shapes[a] for a in self.allowed(bucket) if a != arm and self.shapes[a]}
             if cands is None:
                 tree = self._propose_tree(st, req, k, list(shape), also, subs)
             else:
                 toks, pars, score = cands[i]
                 order = sorted(range(len(toks)), key=lambda j: (-score[j], j))   # parents first: scores fall
-                tree, _ = shaped_tree(order, toks, pars, shape, min(self.tree_nodes, k, sum(shape)), also, subs)
+                tree, _ = shaped_tree(order, toks, pars, shape, min(self.tree_nodes, k, sum(shape)), also, subs,
+                                      min(self.tree_nodes, k))
+                if req.greedy:   # the other arms no deeper than this one: their trees, for `greedy_tokens`
+                    for a, sh in also.items():
+                        if a not in subs and len(sh) <= len(shape):
+                            sel = _select(order, pars, sh, min(self.tree_nodes, k, sum(sh)))
+                            wider[a] = [(j, toks[j], pars[j]) for j in sel]
             drafted.setdefault(arm, []).append(len(tree))
             if len(tree):
-                self.subsets[req.req_id] = (len(tree), tree.is_chain, subs)
+                self.subsets[req.req_id] = (len(tree), tree.is_chain, subs, wider)
             out.append(tree)
         self.once_s = self.mamba.once_seconds - once0 if self.mamba is not None else 0.0
         for arm, v in drafted.items():
@@ -389,11 +417,18 @@ class BanditTreeProposer(LookaheadProposer):
 
     def _counterfactual(self, r: RequestStep) -> dict[int, int]:
         """Tokens other arms would have made for request `r` last step: "no speculation" 1; a
-        shape whose tree was a subset of the verified tree, its accepted nodes + 1."""
+        shape whose tree was a subset of the verified tree, its accepted nodes + 1; in a greedy
+        step, a Mamba drafter's arm no deeper than the pulled one, from the target tokens the
+        step made (`greedy_tokens`: the drafter's trees hang leaves only off its greedy chain, so
+        that count never needs a target token the step did not make, and no outcome is skipped)."""
         out = {self.none_arm: 1} if self.none_arm is not None else {}
         rec = self.subsets.get(r.req_id)
         if rec is None or len(r.drafts) != rec[0]:   # nothing drafted, or cut by the scheduler
             return out
+        for a, nodes in rec[3].items():
+            t = greedy_tokens(nodes, r.sampled)
+            if t is not None:
+                out[a] = t
         if r.tree_parents is not None:
             acc = set(r.accepted_nodes or ())
         elif rec[1]:                                 # a chain was drafted and verified

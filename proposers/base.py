@@ -44,6 +44,8 @@ class RequestStep:
     # entry: the output head over row i gives the target's logits there), when the proposer sets
     # `needs_hidden_states` and the engine has them. A view valid during `propose` only.
     hidden_states: "torch.Tensor | None" = None
+    # Greedy decoding (temperature 0): `sampled` is the target's argmax along the accepted path.
+    greedy: bool = False
 
     @property
     def num_accepted(self) -> int:

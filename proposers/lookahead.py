@@ -642,18 +642,23 @@ class LookaheadProposer(Proposer):
         # kept set holds every kept node's parent, the order is topological, and every prefix
         # of it (the scheduler may cut one) is a tree.
         order = sorted((-node for _, node in top), key=lambda i: (-score[i], i))
-        tree, order = shaped_tree(order, toks, pars, widths, keep if widths is not None else 0, also, subsets)
+        tree, order = shaped_tree(order, toks, pars, widths, keep if widths is not None else 0, also, subsets,
+                                  min(self.tree_nodes, k))
         st.proposed = (tree.tokens, tree.parents, [cls[i] for i in order])
         return tree
 
 
 def shaped_tree(order: list[int], toks: list[int], pars: list[int], widths=None, keep: int = 0,
-                also: "dict | None" = None, subsets: "dict | None" = None) -> "tuple[DraftTree, list[int]]":
+                also: "dict | None" = None, subsets: "dict | None" = None,
+                cap: int | None = None) -> "tuple[DraftTree, list[int]]":
     """The draft tree of candidate nodes `order` (best first, every node after its parent) cut
     to shape `widths` (None: all of them) with at most `keep` nodes, and the candidates it kept,
     in tree order. `also` {name: shape}: for each other shape whose tree is a subset of this one
     (its acceptance is known once this tree is verified), `subsets[name]` receives its node
-    indices in the returned tree.
+    indices in the returned tree. Each of those trees has at most min(`cap`, its own size) nodes
+    (`cap`: the node budget before this shape's own size; default `keep`). Cutting them to
+    `keep` instead made a wider shape look like a subset of a narrower one: pulling 1-1 counted
+    1-1's tokens for the 3-1 tree whose leaves were never verified.
 
     The tree's best path (from the root, each time the best child) comes first: its rows see
     exactly a causal mask, so verification leaves them to vLLM's causal kernel and, when it is
@@ -666,7 +671,7 @@ def shaped_tree(order: list[int], toks: list[int], pars: list[int], widths=None,
         kept = _select(order, pars, widths, keep)
         for name, shape in (also or {}).items():
             if len(shape) <= len(widths):
-                sub = _select(order, pars, shape, min(keep, sum(shape)))
+                sub = _select(order, pars, shape, min(keep if cap is None else cap, sum(shape)))
                 if sub <= kept:
                     others[name] = sub
         order = [i for i in order if i in kept]

@@ -133,7 +133,7 @@ class ToyEngine:
             view = r.buf[:n]
             view.flags.writeable = False
             rows.append(RequestStep(rid, view, sampled, list(drafts), argmax if self.collect_argmax else None,
-                                    parents, accepted_nodes, self._tree_ok(rid), self.tags.get(rid)))
+                                    parents, accepted_nodes, self._tree_ok(rid), self.tags.get(rid), greedy=True))
         ctx = StepContext(rows, self._finished, self._preempted, self.k)
         self._finished, self._preempted = set(), set()
         out = self.proposer.propose(ctx)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from vllm_spec_plugins.proposers.bandit import (BanditTreeProposer, DiscountedUCB, batch_bucket,
-                                                 shape_family, shape_name)
+                                                 greedy_tokens, shape_family, shape_name)
 from vllm_spec_plugins.proposers.testing import ToyEngine, greedy, pair_table_target
 
 
@@ -351,3 +351,70 @@ def test_mamba_drafter_trees_follow_shapes_stay_lossless_and_siblings_pay():
         eng.step()                                   # the finished request is reported: state freed
         assert not p.mamba.slots and not p.states
     assert steps[(2, 2, 2, 1)] < steps[(1, 1, 1, 1)], steps
+
+
+def test_greedy_tokens_reads_only_the_target_tokens_the_step_made():
+    nodes = [(0, 5, -1), (1, 7, -1), (2, 6, 0), (3, 8, 0)]    # spine 5 -> 6; leaves 7 and 8
+    assert greedy_tokens(nodes, [5, 6, 9]) == 3      # the spine accepted, then the bonus
+    assert greedy_tokens(nodes, [5, 8, 1]) == 3      # the leaf under 5
+    assert greedy_tokens(nodes, [7]) == 2            # the step's chain missed at once; leaf 7 is what the target made
+    assert greedy_tokens(nodes, [9]) == 1
+    assert greedy_tokens(nodes, [5]) is None         # 5 accepted and the tree goes on: unknown
+
+
+def test_mamba_drafter_wider_arms_are_observed_exactly_in_greedy_steps():
+    """Pulling only a Mamba drafter's 1-1 chain, every greedy step also tells what the 3-1 tree
+    (whose leaves were never verified) would have made: each count equals the target's own walk
+    of that tree, and some steps show a leaf that would have been accepted."""
+    from test_proposers_mamba import V, drafter
+    d = drafter()
+    second = np.random.default_rng(4).random(256) < 0.3
+
+    def target(prefix):
+        import torch
+        with torch.no_grad():
+            h, _ = d(torch.tensor([list(prefix)]))
+            top = d.logits(h[:, -1])[0].topk(2).indices
+        return int(d.draft_vocab[top[int(second[len(prefix)])]])
+
+    def walk(nodes, prefix):
+        up, path = -1, list(prefix)
+        while (nxt := next((j for j, t, par in nodes if par == up and t == target(path)), None)) is not None:
+            up, path = nxt, path + [target(path)]
+        return len(path) - len(prefix) + 1
+
+    p = BanditTreeProposer(8, shapes=[[1, 1], [3, 1]], vocab_size=V, drafter=d, discount=1.0)
+    table = p.table(("global", 1))
+    table.choose = lambda price, allowed=None, w=None: 0     # always the chain
+    seen, orig = [], p._counterfactual
+
+    def spy(r):
+        out = orig(r)
+        nodes = p.subsets[r.req_id][3].get(1)
+        if nodes is not None:
+            seen.append((out.get(1), walk(nodes, r.token_ids[:len(r.token_ids) - len(r.sampled)]), len(r.sampled)))
+        return out
+    p._counterfactual = spy
+    prompt = np.random.default_rng(3).integers(0, V, 12).tolist()
+    eng = ToyEngine(p, target, vocab_size=V)
+    eng.add("r", prompt, 80)
+    while eng.reqs:
+        eng.step()
+    assert eng.done["r"].out == greedy(target, prompt, 80)
+    assert table.pulls[1] == 0 and len(seen) > 20 and table.ntok[1] == len(seen)
+    assert all(got == want for got, want, _ in seen), seen
+    assert any(got > made for got, _, made in seen)      # a leaf the chain did not have would have paid
+
+
+def test_a_wider_shape_is_never_taken_for_a_subset_of_a_narrower_tree():
+    """Side observations by subset: 1-1 is inside a verified 3-1 tree, but 3-1 is not inside a
+    verified 1-1 chain (it used to be, cut to the chain's two nodes, so the 3-1 arm was credited
+    with the chain's tokens whenever the chain was pulled)."""
+    from vllm_spec_plugins.proposers.lookahead import shaped_tree
+    toks, pars = [10, 11, 12, 13], [-1, -1, -1, 0]      # depth 1: 10, 11, 12; 13 under 10
+    order = [0, 3, 1, 2]                                 # best first
+    subs: dict = {}
+    shaped_tree(order, toks, pars, (1, 1), 2, {"3-1": (3, 1)}, subs, cap=6)
+    assert "3-1" not in subs
+    tree, _ = shaped_tree(order, toks, pars, (3, 1), 4, {"1-1": (1, 1)}, subs, cap=6)
+    assert list(tree.tokens) == [10, 13, 11, 12] and subs["1-1"] == {0, 1}

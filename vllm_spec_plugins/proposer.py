@@ -226,7 +226,8 @@ class PluginProposer:
             reqs.append(RequestStep(rid, batch.token_ids_cpu[i, :n], sampled,
                                     drafts, am, parents, accepted, eligible,
                                     getattr(sp, "extra_args", None),
-                                    hidden[i] if hidden is not None and i < len(hidden) else None))
+                                    hidden[i] if hidden is not None and i < len(hidden) else None,
+                                    float(batch.temperature_cpu[i]) < 1e-5))
         finished = set(scheduler_output.finished_req_ids)
         preempted = set(scheduler_output.preempted_req_ids or ())
         for rid in finished | preempted:

@@ -334,10 +334,9 @@ class BanditTreeProposer(LookaheadProposer):
         if self.mamba is not None:      # one batched drafter pass for the rows whose arm drafts
             pull = {i: self.shapes[arms[self.key_of(r)]] for i, r in enumerate(ctx.requests) if r.sampled and k}
             pull = {i: s for i, s in pull.items() if s}
-            # as wide as any allowed arm: the leaves a narrower pull leaves out still tell, in a
-            # greedy step, what the wider arms would have made (`greedy_tokens`)
-            wide = max((max(s) for s in [self.shapes[a] for a in self.allowed(bucket)] + list(pull.values()) if s),
-                       default=1)
+            # as wide as any allowed arm (every pulled arm is one): the leaves a narrower pull
+            # leaves out still tell, in a greedy step, what the wider arms would have made
+            wide = max((max(self.shapes[a]) for a in self.allowed(bucket) if self.shapes[a]), default=1)
             cands = self.mamba.draft_tree(ctx, pull, min(max(map(len, pull.values()), default=0), k), wide)
         out: list = []
         drafted: dict[int, list[int]] = {}

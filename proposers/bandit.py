@@ -41,7 +41,7 @@ import time
 from collections import deque
 
 from .base import RequestStep, StepContext
-from .cost import StepCost, batch_bucket, continues
+from .cost import StepCost, attended, batch_bucket, continues
 from .lookahead import LookaheadProposer, _select, shaped_tree
 
 logger = logging.getLogger("vllm_spec_plugins")
@@ -84,7 +84,7 @@ def shape_name(s: tuple) -> str:
     return "-".join(map(str, s)) if s else "none"
 
 
-UNIT = (1.0, 0.0, 0.0, 0.0)      # cost features / weights of "1 per step"
+UNIT = (1.0, 0.0, 0.0, 0.0, 0.0)      # cost features / weights of "1 per step"
 
 
 class DiscountedUCB:
@@ -112,7 +112,7 @@ class DiscountedUCB:
         self.tok = [0.0] * n_arms
         self.nres = [0.0] * n_arms
         self.res = [0.0] * n_arms                        # measured seconds
-        self.resx = [[0.0] * 4 for _ in range(n_arms)]   # their steps' cost features
+        self.resx = [[0.0] * len(UNIT) for _ in range(n_arms)]   # their steps' cost features
         self.pulls = [0] * n_arms
 
     def tokens(self, a: int) -> float | None:
@@ -225,6 +225,7 @@ class BanditTreeProposer(LookaheadProposer):
         self._ids: set = set()                   # request ids of the last step (`continues`)
         self.cost = StepCost()               # seconds of a step, from the time between proposals
         self.nodes = [float(sum(sh)) for sh in self.shapes]   # nodes an arm drafts per request (EMA)
+        self.context = 0.0                   # mean context length of the last step's decoding rows
         self.steps = 0
         self.draft_seconds = 0.0
         self.history: deque = deque(maxlen=history)   # (step, key, bucket, arm, reward)
@@ -282,10 +283,10 @@ class BanditTreeProposer(LookaheadProposer):
                 t.seed(self.tables[near])
         return t
 
-    def price(self, n: int) -> list[float]:
-        """Predicted seconds of a step of `n` decoding requests with each arm (1.0 for all before
-        any step was measured)."""
-        fit = self.cost.fit(max(n, 1))
+    def price(self, n: int, context: float | None = None) -> list[float]:
+        """Predicted seconds of a step of `n` decoding requests of mean context length `context`
+        (default: the last step's) with each arm (1.0 for all before any step was measured)."""
+        fit = self.cost.fit(max(n, 1), self.context if context is None else context)
         if fit is None:
             return [1.0] * len(self.shapes)
         a, b, jump = fit
@@ -310,15 +311,18 @@ class BanditTreeProposer(LookaheadProposer):
             # A new request's prompt scan by the drafter is one-off work that no arm chose: not a
             # step cost (one such scan in a handful of pulls sank a tree arm for a whole run).
             seconds, drafts = now - self.last_start - self.once_s, any(r.drafts for r in ctx.requests)
+            kv = attended(ctx.requests)
             timing = None          # (seconds within [1/3, 3] x predicted: one stall must not sink an arm, features)
             if self.cost.n:
-                pred = max(self.cost.predict(tokens, drafts, rows), 1e-9)
-                timing = (min(max(seconds, pred / 3), 3 * pred), self.cost.features(tokens, drafts, rows))
+                pred = max(self.cost.predict(tokens, drafts, rows, kv), 1e-9)
+                timing = (min(max(seconds, pred / 3), 3 * pred), self.cost.features(tokens, drafts, rows, kv))
             if not self.pending or self._reward(live, seconds, timing):
-                self.cost.observe(tokens, seconds, drafts, rows)
+                self.cost.observe(tokens, seconds, drafts, rows, kv)
         self.pending, self.subsets = {}, {}
         bucket = batch_bucket(len(live))
         keys = sorted({self.key_of(r) for r in live})
+        if live:
+            self.context = sum(len(r.token_ids) for r in live) / len(live)
         price = self.price(len(live))
         # a step without drafts now and then keeps the cost fit's jump measured
         plain = self.none_arm is not None and self.cost.n > 0 and self.cost.plain_weight < 0.5
@@ -456,7 +460,7 @@ class BanditTreeProposer(LookaheadProposer):
         """Bandit state for metrics, logs and the benchmark's plots."""
         return {"shapes": [list(s) for s in self.shapes], "steps": self.steps,
                 "draft_seconds": self.draft_seconds,
-                "cost_a_b_c0_c1_s": None if self.cost.coef() is None else [float(x) for x in self.cost.coef()],
+                "cost_a_b_c0_c1_e_s": None if self.cost.coef() is None else [float(x) for x in self.cost.coef()],
                 "tables": {f"{kk}|{bucket}": {"pulls": t.pulls, "mean_reward": self.rates((kk, bucket))}
                            for (kk, bucket), t in self.tables.items()},
                 "history": [list(h) for h in self.history]}

@@ -375,7 +375,7 @@ class Goodput(Proposer):
     def goodput_state(self) -> dict:
         """The cost fit, the learned global rates per class, and the drafter accounting."""
         w = self.cost.coef()
-        return {"cost_a_b_c0_c1_s": None if w is None else [float(x) for x in w],
+        return {"cost_a_b_c0_c1_e_s": None if w is None else [float(x) for x in w],
                 "rates": [round(x, 4) for x in self.accept.global_rate().tolist()],
                 "tries": [round(x, 1) for x in self.accept.tries.tolist()],
                 "buckets": {str(k): dict(v) for k, v in sorted(self.buckets.items())},

@@ -82,6 +82,34 @@ def test_step_cost_separates_the_speculation_jump():
     assert jump8 == pytest.approx(0.0002 + 0.0016, rel=0.15)
 
 
+def test_step_cost_prices_context_apart_from_tokens():
+    """A step's attention grows with its rows' context (`kv`: query tokens x context, in
+    thousands): a long-context step with the same tokens costs more, and `fit(rows, context)`
+    prices one more query token at that context. Without the term the same data are misfit."""
+    from vllm_spec_plugins.proposers.cost import KV_UNIT, attended
+    from vllm_spec_plugins.proposers.base import RequestStep
+    rng = np.random.default_rng(2)
+    c, flat = StepCost(), StepCost()
+    for i in range(800):
+        rows = int(rng.integers(1, 17))
+        drafts = int(rng.integers(0, 3))
+        ctx = int(rng.choice([200, 1500]))            # chat-like and summary-like traffic
+        reqs = [RequestStep(f"r{j}", np.zeros(ctx, np.int64), [1] * (1 + drafts), [2] * drafts) for j in range(rows)]
+        t, kv = rows * (1 + drafts), attended(reqs)
+        assert kv == pytest.approx(rows * (1 + drafts) * ctx / KV_UNIT)
+        s = 0.015 + 0.0004 * t + 0.0005 * kv + bool(drafts) * 0.0003 * rows + rng.normal(0, 0.0003)
+        c.observe(t, s, bool(drafts), rows, kv)
+        flat.observe(t, s, bool(drafts), rows)
+    a, b, _ = c.fit(8)
+    assert b == pytest.approx(0.0004, rel=0.15) and c.weights()[4] == pytest.approx(0.0005, rel=0.1)
+    _, b_long, _ = c.fit(8, context=1500)
+    assert b_long == pytest.approx(0.0004 + 0.0005 * 1.5, rel=0.1)
+    for ctx in (200, 1500):   # 8 rows, 2 drafts each, at either context
+        want = 0.015 + 0.0004 * 24 + 0.0005 * 24 * ctx / KV_UNIT + 0.0003 * 8
+        assert c.predict(24, True, 8, 24 * ctx / KV_UNIT) == pytest.approx(want, rel=0.05)
+        assert abs(flat.predict(24, True, 8) - want) > 0.1 * want          # one price for both: wrong for each
+
+
 def test_idle_time_between_requests_prices_nothing():
     """Requests one after another with the engine idle in between (sparse traffic, an interleaved
     benchmark): the gap is no step's cost. The cost fit, and with it what is drafted, must be what

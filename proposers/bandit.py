@@ -351,7 +351,10 @@ class BanditTreeProposer(LookaheadProposer):
             if not req.sampled:
                 out.append([])
                 continue
-            if cands is None:
+            # The lookahead pool learns from a request's steps only around its drafts: after a step
+            # that verified some, or before one that drafts. While backed off (large batches) a
+            # request costs nothing here; its text is indexed when it drafts again (incrementally).
+            if cands is None and (req.drafts or (k and self.shapes[arms[self.key_of(req)]])):
                 self.observe(st, req)
             if not k:                    # the engine's budget says no drafts: no arm was pulled
                 out.append([])

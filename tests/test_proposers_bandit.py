@@ -184,6 +184,35 @@ def test_drafters_prompt_scan_is_not_an_arms_cost():
     assert min(s for *_, s in p.history) > 0.5       # tokens per second: no step was charged 100 s
 
 
+def test_backed_off_requests_cost_the_lookahead_pool_nothing():
+    """While a request neither verified drafts last step nor drafts now, the lookahead pool skips
+    it (at batch 32 "no speculation" wins most steps: the pool's upkeep was pure overhead); when
+    it drafts again its text is indexed from where it left off, and the output stays exact."""
+    f = pair_table_target(50, 5, 0.05, branching=3)
+    prompts = [np.random.default_rng(s).integers(0, 50, 24).tolist() for s in range(3)]
+    for shapes, none_only in (([[]], True), (None, False)):
+        clock = CostClock(1.0, 0.01)
+        p = BanditTreeProposer(16, shapes=shapes, clock=clock, vocab_size=50)
+        calls, observe = [], p.observe
+        p.observe = lambda st, req: (calls.append(req.req_id), observe(st, req))[1]
+        run_bandit(p, clock, f, prompts, 60)
+        assert (len(calls) == 0) == none_only, len(calls)
+    # a request that drafts after a stretch backed off sees its whole text in the pool
+    clock = CostClock(1.0, 0.01)
+    p = BanditTreeProposer(16, shapes=[[], [1, 1]], clock=clock, vocab_size=50)
+    eng = ToyEngine(p, f, vocab_size=50)
+    eng.add("r", prompts[0], 80)
+    drafted = []
+    while eng.reqs:
+        st = p.states.get("r")
+        clock.charge(out := eng.step())
+        if out and len(out[0]) and st is not None:
+            drafted.append(st.seen == len(eng.reqs["r"].tokens) if "r" in eng.reqs else True)
+    eng.flush()
+    assert eng.done["r"].out == greedy(f, prompts[0], 80)
+    assert drafted and all(drafted)
+
+
 def test_bandit_speculates_when_cheap_and_backs_off_when_costly():
     f = pair_table_target(50, 5, 0.05, branching=3)
     prompts = [np.random.default_rng(s).integers(0, 50, 24).tolist() for s in range(4)]

@@ -286,10 +286,10 @@ class BanditTreeProposer(LookaheadProposer):
                 t.seed(self.tables[near])
         return t
 
-    def price(self, n: int, context: float | None = None) -> list[float]:
-        """Predicted seconds of a step of `n` decoding requests of mean context length `context`
-        (default: the last step's) with each arm (1.0 for all before any step was measured)."""
-        fit = self.cost.fit(max(n, 1), self.context if context is None else context)
+    def price(self, n: int) -> list[float]:
+        """Predicted seconds of a step of `n` decoding requests, at the last step's mean context
+        length, with each arm (1.0 for all before any step was measured)."""
+        fit = self.cost.fit(max(n, 1), self.context)
         if fit is None:
             return [1.0] * len(self.shapes)
         a, b, jump = fit
@@ -354,18 +354,18 @@ class BanditTreeProposer(LookaheadProposer):
             if not req.sampled:
                 out.append([])
                 continue
+            kk = self.key_of(req)
+            arm = arms[kk]
+            shape = self.shapes[arm]
             # The lookahead pool learns from a request's steps only around its drafts: after a step
             # that verified some, or before one that drafts. While backed off (large batches) a
             # request costs nothing here; its text is indexed when it drafts again (incrementally).
-            if cands is None and (req.drafts or (k and self.shapes[arms[self.key_of(req)]])):
+            if cands is None and (req.drafts or (k and shape)):
                 self.observe(st, req)
             if not k:                    # the engine's budget says no drafts: no arm was pulled
                 out.append([])
                 continue
-            kk = self.key_of(req)
-            arm = arms[kk]
             self.pending.setdefault((kk, bucket), (arm, []))[1].append(req.req_id)
-            shape = self.shapes[arm]
             if not shape:
                 out.append([])
                 continue

@@ -185,3 +185,37 @@ def test_shipped_drafter_accepts_in_vllm_what_it_accepts_offline(default_model, 
                   for p, o in zip(plain["prompt_token_ids"], plain["outputs"]))
     assert spec["accepted"] > 0.2 * spec["drafts"] / k          # it is a drafter, not noise
     assert abs(spec["accepted"] - offline) <= len(rows) + 0.1 * offline, (spec["accepted"], offline)
+
+
+def test_teacher_cache_from_vllm_logprobs_is_the_targets_topk(tiny_model, tmp_path):
+    """`generate --topk-from-vllm` writes teacher rows whose top-k at position i is the target's
+    distribution of token i + 1 (checked against the target's own float32 logits), so an SSM
+    drafter trains on them as on the `cache` stage's rows."""
+    from vllm_spec_plugins.data import make_prompts
+    rows = make_prompts(categories=("chat", "code"), n_per_category=2)
+    drafters.generate(tiny_model, tmp_path, rows, max_tokens=12, batch=4, dtype="float32",
+                      topk_from_vllm=True, max_len=40)
+    gens, cached = drafters._load_generations(tmp_path), drafters.load_cache(tmp_path)
+    assert len(cached) == len(gens) == 4
+    tm = drafters.load_target(tiny_model, torch.float32)
+    for g, r in zip(gens, cached):
+        full = g["prompt"] + g["answer"]
+        cut = max(0, len(full) - 1 - 40)
+        assert r["ids"].tolist() == full[cut:-1] and r["position0"] == cut
+        assert r["answer_start"] == max(0, len(g["prompt"]) - cut) and r["topk_idx"].shape == (len(r["ids"]), 32)
+        with torch.no_grad():
+            logits = tm(torch.tensor([full[:-1]])).logits[0, cut:]
+        ref = logits.topk(32, -1).indices
+        assert (r["topk_idx"][:, 0] == ref[:, 0]).float().mean() >= 0.95          # the same token, same place
+        a = r["answer_start"]
+        assert r["topk_idx"][a - 1:, 0].tolist() == full[cut + a:]                 # greedy answers are the top-1
+        lp = torch.log_softmax(logits, -1).topk(32, -1).values
+        torch.testing.assert_close(r["topk_val"].float()[:, :8], lp[:, :8], atol=2e-2, rtol=1e-2)
+
+
+def test_eagle_training_refuses_a_cache_without_hidden_states(tiny_model, tmp_path):
+    torch.save([{"ids": torch.arange(8, dtype=torch.int32), "topk_idx": torch.zeros(8, 32, dtype=torch.int32),
+                 "topk_val": torch.zeros(8, 32, dtype=torch.float16), "answer_start": 4, "position0": 0,
+                 "category": "chat"}], tmp_path / "cache_00000.pt")
+    with pytest.raises(SystemExit, match="no hidden states"):
+        drafters.train(tiny_model, tmp_path, minutes=1, steps=1, seed=0, lr=1e-3, batch_tokens=8, max_len=8)

@@ -6,7 +6,8 @@ Pipeline (every stage resumable, deterministic given ``--seed``, files under ``-
    plain vLLM in chunks (``gen_NNNNN.json``): the drafter learns the text it will be asked to draft.
 2. ``cache``: one teacher pass (transformers, bf16) over prompt + answer; per token the target's
    final hidden state (post-norm: what vLLM hands an EAGLE drafter) and its top-k logits
-   (``cache_NNNNN.pt``).
+   (``cache_NNNNN.pt``). An SSM drafter needs only the top-k: ``generate --topk-from-vllm`` asks
+   vLLM for them (logprobs + prompt_logprobs) and writes the cache itself, skipping this pass.
 3. ``train``: an EAGLE-1 drafter (``fc`` over [token embedding, target hidden] + one Llama decoder
    layer; embeddings and output head are the target's and stay frozen) by distillation: KL to the
    teacher's top-k distribution + smooth-L1 to the next hidden state; bounded by ``--minutes``;
@@ -61,23 +62,53 @@ def training_rows(n_chat: int, n_code: int | None, n_summarize: int, max_prompt_
     return rows
 
 
-def generate(target: str, work: Path, rows: list[dict], max_tokens: int, batch: int, dtype: str) -> None:
+def generate(target: str, work: Path, rows: list[dict], max_tokens: int, batch: int, dtype: str,
+             topk_from_vllm: bool = False, max_len: int = 640) -> None:
+    """topk_from_vllm: vLLM also returns the target's top-k over prompt and answer (logprobs and
+    prompt_logprobs), written as the teacher cache (`cache_NNNNN.pt`, no hidden states: enough for
+    an SSM drafter, not for EAGLE) so the `cache` stage's second pass over the same tokens is skipped."""
     from vllm_spec_plugins.runner import run_isolated
     work.mkdir(parents=True, exist_ok=True)
     chunks = [rows[i:i + GEN_CHUNK] for i in range(0, len(rows), GEN_CHUNK)]
+    lp = ({"logprobs": CACHE_TOPK, "prompt_logprobs": CACHE_TOPK, "llm_kwargs": {"max_logprobs": CACHE_TOPK}}
+          if topk_from_vllm else {})
     for i in _progress(range(len(chunks)), desc="teacher answers (vLLM)", unit="chunk"):
         path = work / f"gen_{i:05d}.json"
         if path.exists():
             continue
         res = run_isolated({"model": target, "groups": {"all": chunks[i]}, "max_tokens": max_tokens,
                             "temperature": 0.0, "batch_size": batch, "dtype": dtype,
-                            "max_model_len": 2048}, env={"OMP_NUM_THREADS": str(os.cpu_count() or 1)},
+                            "max_model_len": 2048, **lp}, env={"OMP_NUM_THREADS": str(os.cpu_count() or 1)},
                            timeout=3600)["groups"]["all"]
         out = [{"id": r["id"], "category": r["category"], "prompt": p, "answer": o[0]}
                for r, p, o in zip(chunks[i], res["prompt_token_ids"], res["outputs"])]
+        if topk_from_vllm:
+            rows_pt = [vllm_topk_row(g, pl, ol[0], max_len)
+                       for g, pl, ol in zip(out, res["prompt_logprobs"], res["logprobs"])]
+            cpath = work / f"cache_{i:05d}.pt"
+            torch.save(rows_pt, cpath.with_suffix(".tmp"))
+            cpath.with_suffix(".tmp").replace(cpath)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(out))
         tmp.replace(path)
+
+
+def vllm_topk_row(gen: dict, prompt_lp: list, answer_lp: list, max_len: int, k: int = CACHE_TOPK) -> dict:
+    """A teacher-cache row from vLLM's logprobs: position i of prompt + answer carries the target's
+    top-k for token i + 1 (prompt_lp[j] / answer_lp[j] are the distributions of prompt token j /
+    answer token j). The last token has none and is dropped; the tail of max_len is kept."""
+    full = gen["prompt"] + gen["answer"]
+    dists = prompt_lp[1:] + answer_lp
+    assert len(dists) == len(full) - 1, (len(dists), len(full))
+    cut = max(0, len(dists) - max_len)
+    idx = torch.zeros(len(dists) - cut, k, dtype=torch.int32)
+    val = torch.full((len(dists) - cut, k), -6e4, dtype=torch.float16)
+    for n, d in enumerate(dists[cut:]):
+        top = sorted(d.items(), key=lambda kv: -kv[1])[:k]
+        idx[n, :len(top)] = torch.tensor([int(t) for t, _ in top], dtype=torch.int32)
+        val[n, :len(top)] = torch.tensor([v for _, v in top]).clamp(min=-6e4).to(torch.float16)
+    return {"ids": torch.tensor(full[cut:len(full) - 1], dtype=torch.int32), "topk_idx": idx, "topk_val": val,
+            "answer_start": max(0, len(gen["prompt"]) - cut), "position0": cut, "category": gen["category"]}
 
 
 def _load_generations(work: Path) -> list[dict]:
@@ -375,6 +406,9 @@ def train(target: str, work: Path, minutes: float, steps: int, seed: int, lr: fl
     rows = load_cache(work)
     if not rows:
         raise SystemExit(f"no teacher cache in {work}: run the `cache` stage first")
+    if any("hidden" not in r for r in rows):
+        raise SystemExit(f"the teacher cache in {work} has no hidden states (made with --topk-from-vllm): "
+                         "an EAGLE drafter needs them; use a --work folder made by the `cache` stage")
     val = [r for i, r in enumerate(rows) if i % 20 == 0]        # 5% for a held-back agreement
     rows = [r for i, r in enumerate(rows) if i % 20 != 0]
     torch.set_num_threads(os.cpu_count() or 1)
@@ -676,6 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text", type=int, default=0, help="stage `text`: human-written exchanges to add")
     ap.add_argument("--max-len", type=int, default=640, help="tokens per cached sequence (the tail)")
     ap.add_argument("--dtype", default="bfloat16", help="dtype of the teacher's vLLM runs")
+    ap.add_argument("--topk-from-vllm", action="store_true",
+                    help="`generate` also writes the teacher cache from vLLM's logprobs (SSM drafters only: no hidden states)")
     ap.add_argument("--minutes", type=float, default=25.0, help="training time budget (this call)")
     ap.add_argument("--steps", type=int, default=3000, help="training steps (schedule length)")
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -699,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
     if "generate" in a.stages:
         rows = training_rows(a.chat, a.code, a.summarize, 512, target)
         random.Random(a.seed).shuffle(rows)
-        generate(target, work, rows, a.max_tokens, 64, a.dtype)
+        generate(target, work, rows, a.max_tokens, 64, a.dtype, a.topk_from_vllm, a.max_len)
     if "cache" in a.stages:
         cache(target, work, a.max_len)
     if "text" in a.stages:

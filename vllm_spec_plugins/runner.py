@@ -104,7 +104,7 @@ class _Engine:
         self.tok = tok = llm.get_tokenizer()
         self.sp = sp = dict(max_tokens=job.get("max_tokens", 64), temperature=job.get("temperature", 0.0),
                             seed=job.get("sample_seed"), ignore_eos=job.get("ignore_eos", False))
-        for key in ("top_p", "top_k", "n", "logprobs"):
+        for key in ("top_p", "top_k", "n", "logprobs", "prompt_logprobs"):
             if key in job:
                 sp[key] = job[key]
         llm.generate([TokensPrompt(prompt_token_ids=tok.encode("Hello"))],
@@ -153,6 +153,9 @@ class _Engine:
             g["logprobs"] = [
                 [[{str(t): lp.logprob for t, lp in pos.items()} for pos in (c.logprobs or [])]
                  for c in o.outputs] for o in outs]
+        if job.get("prompt_logprobs") is not None:     # per prompt position (the first is None)
+            g["prompt_logprobs"] = [[pos and {str(t): lp.logprob for t, lp in pos.items()}
+                                     for pos in (o.prompt_logprobs or [])] for o in outs]
         return g
 
     def finish(self) -> dict:
@@ -172,7 +175,7 @@ def merge_groups(a: dict, b: dict) -> dict:
     """One group's measurements over two prompt sets served one after the other (`EngineProcess`
     turns): lists concatenate, counts add, rates are recomputed."""
     out = dict(a)
-    for k in ("outputs", "texts", "prompt_token_ids", "logprobs"):
+    for k in ("outputs", "texts", "prompt_token_ids", "logprobs", "prompt_logprobs"):
         if k in a:
             out[k] = a[k] + b[k]
     for k in ("seconds", "generated_tokens", "drafts", "draft_tokens", "accepted", "preemptions"):

@@ -85,9 +85,7 @@ def generate(target: str, work: Path, rows: list[dict], max_tokens: int, batch: 
         if topk_from_vllm:
             rows_pt = [vllm_topk_row(g, pl, ol[0], max_len)
                        for g, pl, ol in zip(out, res["prompt_logprobs"], res["logprobs"])]
-            cpath = work / f"cache_{i:05d}.pt"
-            torch.save(rows_pt, cpath.with_suffix(".tmp"))
-            cpath.with_suffix(".tmp").replace(cpath)
+            _save_chunk(rows_pt, work / f"cache_{i:05d}.pt")
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(out))
         tmp.replace(path)
@@ -109,6 +107,12 @@ def vllm_topk_row(gen: dict, prompt_lp: list, answer_lp: list, max_len: int, k: 
         val[n, :len(top)] = torch.tensor([v for _, v in top]).clamp(min=-6e4).to(torch.float16)
     return {"ids": torch.tensor(full[cut:len(full) - 1], dtype=torch.int32), "topk_idx": idx, "topk_val": val,
             "answer_start": max(0, len(gen["prompt"]) - cut), "position0": cut, "category": gen["category"]}
+
+
+def _save_chunk(rows: list[dict], path: Path) -> None:
+    """Write a teacher-cache chunk so that a killed run never leaves a partial file behind."""
+    torch.save(rows, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)
 
 
 def _load_generations(work: Path) -> list[dict]:
@@ -154,9 +158,7 @@ def _cache_rows(target: str, work: Path, rows: list[dict], prefix: str, desc: st
             t = teacher_outputs(model, full[cut:])
             t.update(answer_start=max(0, len(r["prompt"]) - cut), position0=cut, category=r["category"])
             out.append(t)
-        path = work / f"{prefix}_{i:05d}.pt"
-        torch.save(out, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").replace(path)
+        _save_chunk(out, work / f"{prefix}_{i:05d}.pt")
 
 
 def cache(target: str, work: Path, max_len: int) -> None:

@@ -54,6 +54,22 @@ def _fake_generations(work, target, n=6, length=40, seed=0):
     (work / "gen_00000.json").write_text(json.dumps(rows))
 
 
+def test_a_second_work_folder_holds_new_prompts_and_trains_after_the_first(tiny_model, tmp_path):
+    """--chat-from N continues the training order where a first folder stopped (no prompt twice),
+    and --also appends that folder's rows after --work's, so --work's held-back rows stay put."""
+    ids = lambda rows: [r["id"] for r in rows]                        # noqa: E731
+    both = drafters.training_rows(5, 0, 0, 512, tiny_model)
+    first, second = drafters.training_rows(3, 0, 0, 512, tiny_model), drafters.training_rows(2, 0, 0, 512, tiny_model, chat_from=3)
+    assert len(both) == 5 and ids(first) + ids(second) == ids(both)
+    for w, seed in (("a", 0), ("b", 1)):
+        _fake_generations(tmp_path / w, tiny_model, seed=seed)
+        drafters.cache(tiny_model, tmp_path / w, max_len=48)
+    a, b = drafters.load_cache(tmp_path / "a"), drafters.load_cache(tmp_path / "b")
+    ab = drafters.load_cache(tmp_path / "a", [tmp_path / "b"])
+    assert len(ab) == 12 and all(torch.equal(x["ids"], y["ids"]) for x, y in zip(ab, a + b))
+    assert not torch.equal(a[0]["ids"], b[0]["ids"])
+
+
 def test_cache_train_resume_deterministic(tiny_model, tmp_path):
     """Same seed, same steps -> same weights, whether trained in one call or two (resumed)."""
     for w in ("a", "b"):

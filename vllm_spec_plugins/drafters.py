@@ -29,6 +29,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -50,14 +51,16 @@ def _progress(it, **kw):
 
 # ---------------------------------------------------------------- 1. generate
 def training_rows(n_chat: int, n_code: int | None, n_summarize: int, max_prompt_tokens: int,
-                  tokenizer_dir: str) -> list[dict]:
+                  tokenizer_dir: str, chat_from: int = 0) -> list[dict]:
+    """chat_from: skip the first chats of the (prefix-stable) training order, so that a second
+    --work holds new prompts only."""
     from vllm_spec_plugins.data import assert_no_heldout, make_prompts
     rows = []
-    for cat, n in (("chat", n_chat), ("code", n_code), ("summarize", n_summarize)):
+    for cat, n, skip in (("chat", n_chat, chat_from), ("code", n_code, 0), ("summarize", n_summarize, 0)):
         if n == 0:
             continue
-        rows += make_prompts(categories=(cat,), n_per_category=n, split="train",
-                             max_prompt_tokens=max_prompt_tokens, tokenizer_dir=tokenizer_dir)
+        rows += make_prompts(categories=(cat,), n_per_category=None if n is None else skip + n, split="train",
+                             max_prompt_tokens=max_prompt_tokens, tokenizer_dir=tokenizer_dir)[skip:]
     assert_no_heldout(r["id"] for r in rows)
     return rows
 
@@ -196,12 +199,15 @@ def cache_text(target: str, work: Path, n: int, seed: int, max_len: int) -> None
     _cache_rows(target, work, text_rows(n, seed, target, max_len), "text", "teacher top-k over human text", max_len)
 
 
-def load_cache(work: Path) -> list[dict]:
-    """Cached teacher rows: the target's own answers (cache_*), then human text (text_*)."""
+def load_cache(work: Path, also: Sequence[Path] = ()) -> list[dict]:
+    """Cached teacher rows: the target's own answers (cache_*), then human text (text_*); then
+    those of each folder in `also` (appended, so rows of `work` keep their places and the
+    held-back split, every 20th row, keeps its rows of `work`)."""
     rows = []
-    for pattern in ("cache_*.pt", "text_*.pt"):
-        for p in sorted(work.glob(pattern)):
-            rows += torch.load(p)
+    for w in (work, *also):
+        for pattern in ("cache_*.pt", "text_*.pt"):
+            for p in sorted(w.glob(pattern)):
+                rows += torch.load(p)
     return rows
 
 
@@ -404,8 +410,8 @@ def held_back_agreement(d: EagleDrafter, val: list[dict], seed: int, batch_token
 
 
 def train(target: str, work: Path, minutes: float, steps: int, seed: int, lr: float,
-          batch_tokens: int, max_len: int, unroll: int = 1) -> Path:
-    rows = load_cache(work)
+          batch_tokens: int, max_len: int, unroll: int = 1, also: Sequence[Path] = ()) -> Path:
+    rows = load_cache(work, also)
     if not rows:
         raise SystemExit(f"no teacher cache in {work}: run the `cache` stage first")
     if any("hidden" not in r for r in rows):
@@ -529,8 +535,8 @@ def replay_tau(d, rows: list[dict], k: int) -> dict:
 
 
 def train_ssm(target: str, work: Path, kind: str, minutes: float, steps: int, seed: int, lr: float,
-              batch_tokens: int, max_len: int) -> Path:
-    rows = load_cache(work)
+              batch_tokens: int, max_len: int, also: Sequence[Path] = ()) -> Path:
+    rows = load_cache(work, also)
     if not rows:
         raise SystemExit(f"no teacher cache in {work}: run the `cache` stage first")
     val = [r for i, r in enumerate(rows) if i % 20 == 0]
@@ -706,6 +712,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="out/drafter/work", help="teacher cache + checkpoint folder")
     ap.add_argument("--out", default="out/drafter/eagle", help="exported drafter folder")
     ap.add_argument("--chat", type=int, default=1024, help="training chat prompts")
+    ap.add_argument("--chat-from", type=int, default=0,
+                    help="skip the first N training chats (new prompts for a second --work; see --also)")
+    ap.add_argument("--also", nargs="*", default=[], metavar="WORK",
+                    help="train: more teacher-cache folders, after --work's (checkpoint stays in --work)")
     ap.add_argument("--code", type=int, default=None, help="training code prompts (default: all)")
     ap.add_argument("--summarize", type=int, default=256, help="training summarize prompts")
     ap.add_argument("--max-tokens", type=int, default=128, help="teacher answer length")
@@ -733,9 +743,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [s for s in a.stages if s not in STAGES]:
         ap.error(f"unknown stage(s) {bad}; choose from {list(STAGES)}")
     target = a.target or str(default_model_dir())
-    work = Path(a.work)
+    work, also = Path(a.work), [Path(w) for w in a.also]
     if "generate" in a.stages:
-        rows = training_rows(a.chat, a.code, a.summarize, 512, target)
+        rows = training_rows(a.chat, a.code, a.summarize, 512, target, a.chat_from)
         random.Random(a.seed).shuffle(rows)
         generate(target, work, rows, a.max_tokens, 64, a.dtype, a.topk_from_vllm, a.max_len)
     if "cache" in a.stages:
@@ -744,9 +754,9 @@ def main(argv: list[str] | None = None) -> int:
         cache_text(target, work, a.text, a.seed, a.max_len)
     if "train" in a.stages:
         if a.drafter == "eagle":
-            train(target, work, a.minutes, a.steps, a.seed, a.lr, a.batch_tokens, 384, a.unroll)
+            train(target, work, a.minutes, a.steps, a.seed, a.lr, a.batch_tokens, 384, a.unroll, also)
         else:
-            train_ssm(target, work, a.drafter, a.minutes, a.steps, a.seed, a.lr, a.batch_tokens, 384)
+            train_ssm(target, work, a.drafter, a.minutes, a.steps, a.seed, a.lr, a.batch_tokens, 384, also)
     if "export" in a.stages:
         print(export(target, work, Path(a.out)) if a.drafter == "eagle" else
               export_ssm(target, work, a.drafter, Path(a.out)))

@@ -235,3 +235,14 @@ def test_eagle_training_refuses_a_cache_without_hidden_states(tiny_model, tmp_pa
                  "category": "chat"}], tmp_path / "cache_00000.pt")
     with pytest.raises(SystemExit, match="no hidden states"):
         drafters.train(tiny_model, tmp_path, minutes=1, steps=1, seed=0, lr=1e-3, batch_tokens=8, max_len=8)
+
+
+def test_transformer_baseline_has_the_mamba_drafters_parameter_count():
+    """The `tau at least a same-size Transformer's` comparison: at the default target's width
+    (576) the two trained kinds have the same number of parameters (within 0.1%)."""
+    from vllm_spec_plugins.proposers.mamba import StateSpaceDrafter
+    emb = torch.zeros(64, 576)
+    n = {k: sum(p.numel() for p in StateSpaceDrafter({"kind": k, **drafters.SSM_SIZES[k]}, emb, emb,
+                                                     torch.arange(8)).parameters())
+         for k in ("mamba", "transformer")}
+    assert abs(n["transformer"] / n["mamba"] - 1) < 1e-3, n

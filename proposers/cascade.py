@@ -1,8 +1,11 @@
 """Vertical cascade: an n-gram level drafts for the Mamba drafter, which drafts for the target.
 
 Per step and request (all rows batched):
-  level 0  n-gram lookup over the request's own tokens (prompt + output): a chain c of up to
-           k tokens, model-free, ~free.
+  level 0  model-free, ~free: a chain c of up to k tokens, from n-gram lookup over the request's
+           own tokens (prompt + output; `level0=None`), or from a `LookaheadProposer`'s chain form
+           without its window: the request's text, its pool of n-grams harvested from the
+           target's own outputs at every verified position (the Jacobi trajectory of whatever was
+           drafted) and the n-gram table shared by all requests.
   level 1  the Mamba drafter verifies c in ONE pass (`StateSpaceDrafter.steps` over
            [bonus, c1..cm]: projections batched, states kept per position) and keeps the longest
            prefix c1..ca equal to its own greedy choices, plus its own next token (free); then
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 
 from vllm_spec_plugins.proposers.base import StepContext, ngram_lookup
+from vllm_spec_plugins.proposers.lookahead import LookaheadProposer
 from vllm_spec_plugins.proposers.mamba import CONF_PRIOR, MambaProposer, StateSpaceDrafter, confidence_classes
 
 
@@ -34,11 +38,15 @@ class CascadeProposer(MambaProposer):
     # level-0 tokens by the probability the drafter gives them in its one-pass check.
     class_prior = np.concatenate([np.repeat(CONF_PRIOR, 4), np.repeat([0.5 * (0.4 + c) for c in CONF_PRIOR], 4)])
     def __init__(self, num_speculative_tokens: int, drafter: StateSpaceDrafter, max_requests: int = 8,
-                 drafter_steps: int = 3, ngram_min: int = 1, ngram_max: int = 3, drafter_top_k: int = 1):
+                 drafter_steps: int = 3, ngram_min: int = 1, ngram_max: int = 3, drafter_top_k: int = 1,
+                 level0: "LookaheadProposer | None" = None):
         self.drafter_steps = drafter_steps       # (sizes the snapshot buffers, `snapshots`)
         super().__init__(num_speculative_tokens, drafter, max_requests)
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.top_k = drafter_top_k
+        self.level0 = level0
+        if level0 is not None:                   # its pool learns from the target's argmax rows
+            self.needs_target_argmax = True
         inv = torch.full((int(drafter.draft_vocab.max()) + 1,), -1, dtype=torch.long)
         inv[drafter.draft_vocab] = torch.arange(len(drafter.draft_vocab))
         self.draft_index = inv                   # target id -> draft-vocab index (-1: not in it)
@@ -59,6 +67,23 @@ class CascadeProposer(MambaProposer):
     def release(self, req_id: str) -> None:
         super().release(req_id)
         self.origin.pop(req_id, None)
+        if self.level0 is not None:
+            self.level0.release(req_id)
+
+    def _level0(self, req, k: int) -> list[int]:
+        la = self.level0
+        if la is None:
+            return ngram_lookup(req.token_ids, k, self.ngram_min, self.ngram_max)
+        st = la.states.get(req.req_id)
+        if st is None:                           # indexing a new request's prompt is one-off work
+            st = la.states[req.req_id] = la.new_state(req)
+            t0 = self.clock()
+            la.observe(st, req)
+            self.once_seconds += self.clock() - t0
+        else:
+            la.observe(st, req)                  # last step's verified drafts -> its pools
+        t = req.token_ids
+        return la._chain(st, t, t[-max(la.pl_max, 1):].tolist(), k)
 
     @torch.no_grad()
     def propose(self, ctx: StepContext) -> list:
@@ -82,7 +107,7 @@ class CascadeProposer(MambaProposer):
                 continue
             snap.append(self._before_last(req))
             self.ntok[rid] = len(req.token_ids)
-            lvl0 = ngram_lookup(req.token_ids, k, self.ngram_min, self.ngram_max)
+            lvl0 = self._level0(req, k)
             rows.append(i), slots.append(self.slots[rid])
             feed.append([int(req.token_ids[-1])] + lvl0)
         if not rows:
@@ -93,8 +118,12 @@ class CascadeProposer(MambaProposer):
         t1 = time.perf_counter()
         sl, sn = torch.tensor(slots), torch.tensor(snap)
         layers, kernel = self.buf, self.kernel
-        if kernel is not None and T == 1:                        # no level-0 tokens: one C step
-            h, sts = self.d.step_into(x[:, 0], layers, sl, sn, torch.zeros_like(sl), kernel)[:, None], None
+        if kernel is not None:
+            # T C steps, bonus then level 0: snapshot p = after bonus + p level-0 tokens. Past a
+            # row's a0 they are scratch: the steps below rewrite them before anything reads them.
+            hs = [self.d.step_into(x[:, p], layers, sl, sn if p == 0 else torch.full_like(sl, p - 1),
+                                   torch.full_like(sl, p), kernel) for p in range(T)]
+            h, sts = torch.stack(hs, 1), None
         else:
             st = [(c[sl, sn], s[sl, sn]) for c, s in layers]
             h, sts = self.d.steps(x, st)                         # one pass over bonus + level 0

@@ -284,10 +284,10 @@ def print_cascade(results, cats):
             lv = rows[cat].get("cascade_levels")
             if not lv:
                 continue
-            n, m = lv["ngram"], lv["mamba"]
-            print(f"| {cat} | ngram -> mamba | {n['proposed']} | {n['kept_by_drafter']} ({n['drafter_acceptance']:.2f}) | "
+            n, m, l0 = lv["ngram"], lv["mamba"], lv.get("level0_kind", "ngram")
+            print(f"| {cat} | {l0} -> mamba | {n['proposed']} | {n['kept_by_drafter']} ({n['drafter_acceptance']:.2f}) | "
                   f"{n['time_share']:.1%} |")
-            print(f"| {cat} | ngram tokens -> target | {n['to_target']} | {n['accepted_by_target']} "
+            print(f"| {cat} | {l0} tokens -> target | {n['to_target']} | {n['accepted_by_target']} "
                   f"({n['target_acceptance']:.2f}) | |")
             print(f"| {cat} | mamba -> target | {m['to_target']} | {m['accepted_by_target']} ({m['target_acceptance']:.2f}) | "
                   f"{m['time_share']:.1%} |")
@@ -582,6 +582,7 @@ def main(argv=None):
         for cat, g in r["groups"].items():
             lv = cascade_levels(g)
             if lv:
+                lv["level0_kind"] = (configs[name].get("levels") or ["ngram"])[0]
                 results[name][cat]["cascade_levels"] = lv
     for cat, pair in plain_runs.items():
         results["plain"][cat]["tokens_per_s_first_last"] = pair

@@ -61,12 +61,14 @@ def references(tiny_model, tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", ["lookahead", "oracle_tree", "oracle_chain", "bandit_tree", "bandit_tree_mamba",
-                                    "mamba", "cascade"])
+                                    "mamba", "cascade", pytest.param("cascade_lookahead", marks=pytest.mark.slow)])
 def test_sampled_follows_target(method, tiny_model, plain, references, tiny_mamba_drafter):
     # goodput off: drafts every step, so the acceptance under test runs all along
     spec = {"lookahead": {"method": "lookahead", "num_speculative_tokens": 3, "goodput": False},
             "mamba": {"method": "mamba", "num_speculative_tokens": 3, "model": tiny_mamba_drafter, "goodput": False},
             "cascade": {"method": "cascade", "num_speculative_tokens": 6, "model": tiny_mamba_drafter, "goodput": False},
+            "cascade_lookahead": {"method": "cascade", "levels": ["lookahead", "mamba"], "num_speculative_tokens": 6,
+                                  "model": tiny_mamba_drafter, "goodput": False},
             "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 8, "exploration": 1.0},
             "bandit_tree_mamba": {"method": "bandit_tree", "num_speculative_tokens": 8, "exploration": 1.0,
                                   "drafter": "mamba", "model": tiny_mamba_drafter},
@@ -95,6 +97,8 @@ SEEDED_SPECS = {
               "goodput": False},
     "cascade": {"method": "cascade", "num_speculative_tokens": 6, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba",
                 "goodput": False},
+    "cascade_lookahead": {"method": "cascade", "levels": ["lookahead", "mamba"], "num_speculative_tokens": 6,
+                          "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba", "goodput": False},
 }
 
 
@@ -127,7 +131,7 @@ def plain_seeded(default_model, seeded_prompts):
     return run_isolated(_seeded_job(default_model, seeded_prompts))["groups"]
 
 
-@pytest.mark.parametrize("method", [pytest.param(m, marks=[pytest.mark.slow] if m in ("mamba", "cascade", "bandit_tree_mamba")
+@pytest.mark.parametrize("method", [pytest.param(m, marks=[pytest.mark.slow] if m in ("mamba", "cascade", "cascade_lookahead", "bandit_tree_mamba")
                                                   else [])
                                     for m in SEEDED_SPECS])
 def test_seeded_sampling_equals_plain(method, default_model, seeded_prompts, plain_seeded):

@@ -94,3 +94,33 @@ def test_drafter_top_k_0_hands_the_whole_ngram_draft_on(kernel):
     assert out[:5] == [7, 8, 9, 5, 6] and len(out) == 8
     want = greedy_chain(d, list(toks) + out[:5], 3)            # then the drafter's own chain from there
     assert out[5:] == want
+
+
+def test_lookahead_level_drafts_from_the_targets_outputs_and_the_shared_pool():
+    """Level 0 = lookahead's chain form: an n-gram the target produced at a rejected position
+    (its Jacobi pool) and text another request wrote (the shared pool) reach the target, where
+    n-gram lookup in the request's own tokens has nothing."""
+    from vllm_spec_plugins.proposers.lookahead import LookaheadProposer
+    d = drafter()
+    la = LookaheadProposer(8, ngram=2, shared_pool=1024)
+    prop = CascadeProposer(8, d, drafter_steps=2, drafter_top_k=0, level0=la)
+    assert prop.needs_target_argmax
+    ctx = lambda *reqs: StepContext(list(reqs), set(), set(), 8)
+    toks = [20, 21, 22]
+    x = prop.propose(ctx(RequestStep("a", np.array(toks), [22], [])))[0]
+    # the target rejects x[0], emits 30, and after x[0] it would have emitted 31
+    toks += [30]
+    y = prop.propose(ctx(RequestStep("a", np.array(toks), [30], x, target_argmax=[30] + [31] * len(x))))[0]
+    assert (x[0], 31) in la.states["a"].pool.get(x[0])
+    # next: nothing of y accepted, the target emits x[0]: level 0 continues it with 31
+    assert y[0] != x[0]
+    toks += [x[0]]
+    z = prop.propose(ctx(RequestStep("a", np.array(toks), [x[0]], y, target_argmax=[x[0]] + [31] * len(y))))[0]
+    assert z[0] == 31 and 31 not in toks
+    # another request ending in "21 22" gets a's continuation from the shared pool
+    prop.propose(StepContext([], {"a"}, set(), 8))
+    assert "a" not in la.states and not prop.slots
+    w = prop.propose(ctx(RequestStep("b", np.array([40, 21, 22]), [22], [])))[0]
+    assert w[:2] == [30, x[0]], w
+    plain = CascadeProposer(8, d, drafter_steps=2, drafter_top_k=0)
+    assert plain.propose(ctx(RequestStep("b", np.array([40, 21, 22]), [22], [])))[0][:2] != [30, x[0]]

@@ -74,13 +74,17 @@ METHODS: dict[str, dict[str, Key]] = {
     "cascade": {
         "num_speculative_tokens": Key(8, 1, 16, int, "max drafts handed to the target per step"),
         "levels": Key(["ngram", "mamba"], kind=list, help="draft levels, cheapest first; each drafts for the "
-                      "next, the last for the target. This release: ['ngram', 'mamba']"),
+                      "next, the last for the target: ['ngram', 'mamba'] (level 0: n-gram lookup in the "
+                      "request's own tokens) or ['lookahead', 'mamba'] (level 0: lookahead's chain form: "
+                      "its text index, its pool of n-grams from the target's own outputs, the shared pool)"),
         "model": Key(None, kind=str, help="the 'mamba' level's drafter folder (`python -m vllm_spec_plugins.drafters "
                      "--drafter mamba`) or 'vllm_spec_plugins:smollm2-135m-instruct-mamba' (shipped)"),
         "drafter_steps": Key(3, 0, 16, int, "sequential drafter steps after its one-pass check of the n-gram level"),
         "drafter_top_k": Key(0, 0, 64, int, "the drafter keeps an n-gram token it ranks in its top k (1: only its own greedy choice; 0: all)"),
         "prompt_lookup_min": Key(1, 1, 16, int, "n-gram level: min match length"),
         "prompt_lookup_max": Key(3, 1, 16, int, "n-gram level: max match length"),
+        "shared_pool": Key(65536, 0, 1 << 22, int, "'lookahead' level: contexts kept in the n-gram table shared "
+                           "by all requests (0 = off)"),
         "goodput": Key(True, kind=bool, help="per step, keep only the draft tokens whose learned chance of acceptance pays for their measured verification cost, over the whole batch; draft nothing while drafting does not pay (false: always draft num_speculative_tokens)"),
     },
     # Test proposers: drafts from a reference file {prompt ids -> plain greedy output ids}.
@@ -212,10 +216,10 @@ def validate(spec: dict) -> dict:
     if method == "mamba":
         _check_ssm_drafter(out["model"])
     if method == "cascade":
-        if out["levels"] != ["ngram", "mamba"]:
-            raise ValueError(f"speculative_config.levels={out['levels']!r}: this release runs the cascade "
-                             "['ngram', 'mamba'] (n-gram lookup drafts for the Mamba drafter, which drafts "
-                             "for the target)")
+        if out["levels"] not in (["ngram", "mamba"], ["lookahead", "mamba"]):
+            raise ValueError(f"speculative_config.levels={out['levels']!r}: this release runs the cascades "
+                             "['ngram', 'mamba'] and ['lookahead', 'mamba'] (a model-free level drafts for "
+                             "the Mamba drafter, which drafts for the target)")
         if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
             raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
         _check_ssm_drafter(out["model"], method)

@@ -80,9 +80,15 @@ def build_proposer(params: dict, max_requests: int = 8, dtype=None) -> Proposer:
         from vllm_spec_plugins.proposers.cascade import CascadeProposer
         if "target" not in p:
             raise ValueError("method 'cascade' needs the target folder (params['target']), set by the config hook")
+        level0 = None
+        if p.get("levels", ["ngram"])[0] == "lookahead":
+            from vllm_spec_plugins.proposers.lookahead import LookaheadProposer
+            level0 = LookaheadProposer(k, ngram=min(4, k + 1), prompt_lookup_min=p["prompt_lookup_min"],
+                                       prompt_lookup_max=p["prompt_lookup_max"], vocab_size=vocab,
+                                       shared_pool=p.get("shared_pool", 0))
         return CascadeProposer(k, _drafter(p["model"], p["target"], dtype), max_requests,
                                drafter_steps=p["drafter_steps"], ngram_min=p["prompt_lookup_min"],
-                               ngram_max=p["prompt_lookup_max"], drafter_top_k=p["drafter_top_k"])
+                               ngram_max=p["prompt_lookup_max"], drafter_top_k=p["drafter_top_k"], level0=level0)
     if method in ("oracle", "adversarial"):
         from vllm_spec_plugins.proposers import testing
         refs = testing.load_references(p["references"]) if p["references"] else {}
@@ -265,8 +271,13 @@ def plugin_state_summary(worker) -> dict:
     nbytes = sum(impl.state_nbytes(r) for r in impl.states) if hasattr(impl, "state_nbytes") else None
     out = {"method": drafter.params["method"], "requests": len(impl.states), "nbytes": nbytes,
            "req_ids": sorted(impl.states)}
-    if getattr(impl, "shared", None) is not None:    # lookahead's cross-request table: bounded, never freed
-        out["shared_pool"] = {"contexts": len(impl.shared), "cap": impl.shared.cap}
+    la = getattr(impl, "level0", None)                # cascade's lookahead level: its per-request pools
+    if la is not None:
+        out["req_ids"] = sorted(set(out["req_ids"]) | set(la.states))
+        out["requests"] = len(out["req_ids"])
+    shared = getattr(la or impl, "shared", None)
+    if shared is not None:    # lookahead's cross-request table: bounded, never freed
+        out["shared_pool"] = {"contexts": len(shared), "cap": shared.cap}
     if hasattr(impl, "inspect"):
         out["bandit"] = impl.inspect()
     if hasattr(impl, "goodput_state"):

@@ -184,6 +184,27 @@ def test_drafters_prompt_scan_is_not_an_arms_cost():
     assert min(s for *_, s in p.history) > 0.5       # tokens per second: no step was charged 100 s
 
 
+def test_lookahead_pools_prompt_indexing_is_not_an_arms_cost():
+    """The same with the lookahead pool as drafter: indexing a new request's prompt (up to
+    pool_cap tokens into the pool and the shared table) is left out of the arms' step seconds."""
+    f = pair_table_target(50, 5, 0.05, branching=3)
+    prompts = [np.random.default_rng(s).integers(0, 50, 24).tolist() for s in range(3)]
+    clock = CostClock(1.0, 0.01)
+    p = BanditTreeProposer(8, shapes=[[1], [2, 1]], clock=clock, vocab_size=50)
+    index, charged = p._index_text, []
+
+    def costly_index(st, t, req_id):
+        if st.seen == 0:
+            clock.t += 100.0          # a long prompt: 100 steps' worth
+            charged.append(req_id)
+        return index(st, t, req_id)
+    p._index_text = costly_index
+    run_bandit(p, clock, f, prompts, 40)
+    assert len(charged) == 3
+    assert p.history and max(s for *_, s in p.history) < 10.0
+    assert min(s for *_, s in p.history) > 0.5       # tokens per second: no step was charged 100 s
+
+
 def test_backed_off_requests_cost_the_lookahead_pool_nothing():
     """While a request neither verified drafts last step nor drafts now, the lookahead pool skips
     it (at batch 32 "no speculation" wins most steps: the pool's upkeep was pure overhead); when

@@ -6,15 +6,13 @@ Per step and request (all rows batched):
            without its window: the request's text, its pool of n-grams harvested from the
            target's own outputs at every verified position (the Jacobi trajectory of whatever was
            drafted) and the n-gram table shared by all requests.
-  level 1  the Mamba drafter verifies c in ONE pass (`StateSpaceDrafter.steps` over
-           [bonus, c1..cm]: projections batched, states kept per position) and keeps the longest
-           prefix c1..ca equal to its own greedy choices, plus its own next token (free); then
-           up to `drafter_steps` recurrent steps extend the chain (no more than the step's
-           budget of k drafts can use).
+  level 1  the Mamba drafter runs over [bonus, c1..cm] (one C step per position, all rows at
+           once; without the C kernel one torch pass, `StateSpaceDrafter.steps`), states kept
+           per position, and keeps the longest prefix c1..ca equal to its own greedy choices,
+           plus its own next token (free); then up to `drafter_steps` recurrent steps extend
+           the chain (no more than the step's budget of k drafts can use).
 With `drafter_top_k=1` the target sees exactly the drafter's own greedy chain (a level-0 token is
-kept only where the drafter would have drafted it), but a0 of those tokens cost one batched pass
-instead of a0 sequential steps, so the chain grows where the n-gram level is right (code, quotes,
-repeats). With `drafter_top_k=K` the drafter keeps a level-0 token it ranks in its top K: the
+kept only where the drafter would have drafted it). With `drafter_top_k=K` the drafter keeps a level-0 token it ranks in its top K: the
 n-gram level wins near-ties against the drafter's own guess; with `drafter_top_k=0` every level-0
 token is kept (the target judges them; the drafter only extends the chain past them).
 
@@ -24,13 +22,16 @@ j drafts, for every draft handed out, so a rejection resumes with no recomputati
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from vllm_spec_plugins.proposers.base import StepContext, ngram_lookup
-from vllm_spec_plugins.proposers.lookahead import LookaheadProposer
 from vllm_spec_plugins.proposers.mamba import CONF_PRIOR, MambaProposer, StateSpaceDrafter, confidence_classes
+
+if TYPE_CHECKING:
+    from vllm_spec_plugins.proposers.lookahead import LookaheadProposer
 
 
 class CascadeProposer(MambaProposer):

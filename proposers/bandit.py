@@ -337,7 +337,7 @@ class BanditTreeProposer(LookaheadProposer):
             arms = self.sync(arms)
         k = ctx.budget(self.k)
         cands = None
-        once0 = self.mamba.once_seconds if self.mamba is not None else 0.0
+        once0 = self.once_seconds + (self.mamba.once_seconds if self.mamba is not None else 0.0)
         if self.mamba is not None:      # one batched drafter pass for the rows whose arm drafts
             pull = {i: self.shapes[arms[self.key_of(r)]] for i, r in enumerate(ctx.requests) if r.sampled and k}
             pull = {i: s for i, s in pull.items() if s}
@@ -347,7 +347,6 @@ class BanditTreeProposer(LookaheadProposer):
             cands = self.mamba.draft_tree(ctx, pull, min(max(map(len, pull.values()), default=0), k), wide)
         out: list = []
         drafted: dict[int, list[int]] = {}
-        index_s = 0.0                    # the lookahead pool's first indexing of a prompt: one-off
         for i, req in enumerate(ctx.requests):
             st = self.states.get(req.req_id)
             if st is None:
@@ -362,10 +361,7 @@ class BanditTreeProposer(LookaheadProposer):
             # that verified some, or before one that drafts. While backed off (large batches) a
             # request costs nothing here; its text is indexed when it drafts again (incrementally).
             if cands is None and (req.drafts or (k and shape)):
-                t0 = self.clock() if st.seen == 0 else None
                 self.observe(st, req)
-                if t0 is not None:
-                    index_s += self.clock() - t0
             if not k:                    # the engine's budget says no drafts: no arm was pulled
                 out.append([])
                 continue
@@ -392,7 +388,9 @@ class BanditTreeProposer(LookaheadProposer):
             if len(tree):
                 self.subsets[req.req_id] = (len(tree), tree.is_chain, subs, wider)
             out.append(tree)
-        self.once_s = (self.mamba.once_seconds - once0 if self.mamba is not None else 0.0) + index_s
+        # one-off work (the drafter's prompt scans, the pool's first indexing of a prompt) is no
+        # arm's cost
+        self.once_s = self.once_seconds + (self.mamba.once_seconds if self.mamba is not None else 0.0) - once0
         for arm, v in drafted.items():
             self.nodes[arm] = 0.9 * self.nodes[arm] + 0.1 * sum(v) / len(v)
         self.steps += 1

@@ -76,13 +76,11 @@ class CascadeProposer(MambaProposer):
         if la is None:
             return ngram_lookup(req.token_ids, k, self.ngram_min, self.ngram_max)
         st = la.states.get(req.req_id)
-        if st is None:                           # indexing a new request's prompt is one-off work
+        if st is None:
             st = la.states[req.req_id] = la.new_state(req)
-            t0 = self.clock()
-            la.observe(st, req)
-            self.once_seconds += self.clock() - t0
-        else:
-            la.observe(st, req)                  # last step's verified drafts -> its pools
+        la.clock, once0 = self.clock, la.once_seconds
+        la.observe(st, req)                      # last step's verified drafts -> its pools
+        self.once_seconds += la.once_seconds - once0     # a new request's prompt indexing: one-off
         t = req.token_ids
         return la._chain(st, t, t[-max(la.pl_max, 1):].tolist(), k)
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import heapq
 import sys
+import time
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
@@ -186,6 +187,7 @@ class _State:
 
 class LookaheadProposer(Proposer):
     needs_target_argmax = True
+    clock = staticmethod(time.perf_counter)     # `once_seconds` (a `Goodput` around it sets its own)
 
     def __init__(self, num_speculative_tokens: int, window: int | None = None, ngram: int = 3,
                  guesses: int = 8, pool_cap: int = 4096, prompt_lookup_min: int = 1,
@@ -223,6 +225,9 @@ class LookaheadProposer(Proposer):
         # req id -> tokens of its text the shared pool has taken: a preempted request comes back
         # with a fresh state and must not add its text twice (LRU-bounded; ids are unique)
         self._fed: OrderedDict[str, int] = OrderedDict()
+        # seconds spent indexing new requests' prompts (up to pool_cap tokens each): one-off work
+        # per request, not a step's drafting cost (`Goodput`, `bandit_tree` and `cascade` read it)
+        self.once_seconds = 0.0
 
     _FED_CAP = 8192
 
@@ -257,7 +262,12 @@ class LookaheadProposer(Proposer):
                 self._update_stats(st, list(range(-1, n - 1)), set(range(req.num_accepted)), proposed[2])
         t = req.token_ids
         L = len(t)
-        self._index_text(st, t, req.req_id)
+        if st.seen:
+            self._index_text(st, t, req.req_id)
+        else:
+            t0 = self.clock()
+            self._index_text(st, t, req.req_id)
+            self.once_seconds += self.clock() - t0
         d, A = tuple(int(x) for x in req.drafts), req.target_argmax
         base = L - len(req.sampled)  # position of drafts[0] and of A[0]
         if A is None or len(A) != len(d) + 1:

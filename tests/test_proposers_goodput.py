@@ -302,6 +302,37 @@ def test_lookahead_under_goodput_is_exact_and_frees_state():
     assert prop.goodput_stats["kept"] > 0
 
 
+def test_lookahead_prompt_indexing_is_not_a_drafting_cost():
+    """Indexing a new request's prompt (up to pool_cap tokens into the pool and prompt index) is
+    one-off work: `LookaheadProposer.once_seconds` counts it and goodput's per-row drafting cost
+    leaves it out (here each prompt costs 500 fixed step costs; charged, it kept the drafter off)."""
+    target = lambda t: (t[-1] * 7 + (t[-2] if len(t) > 1 else 0)) % 50
+    clock = Clock(target, 10.0, 1.0)
+    inner = LookaheadProposer(4, vocab_size=V)
+    index, firsts = inner._index_text, []
+
+    def costly_index(st, t, req_id):
+        if st.seen == 0:
+            clock.t += 5000.0
+            firsts.append(req_id)
+        return index(st, t, req_id)
+    inner._index_text = costly_index
+    prop = Goodput(inner, clock=clock)
+    eng = ToyEngine(prop, clock.next, vocab_size=V)
+    for i in range(4):                  # one after the other, as at batch 1
+        p = [7 + i, 3 * i + 1]
+        eng.add(f"r{i}", p, 80)
+        while eng.reqs:
+            eng.step()
+            clock.t += 10.0
+        eng.flush()
+        assert eng.done[f"r{i}"].out == greedy(target, p, 80)
+    assert len(firsts) == 4 and inner.once_seconds == pytest.approx(4 * 5000.0)
+    on = [b["on_row_s"] for b in prop.buckets.values() if b["on_row_s"] is not None]
+    assert on and max(on) < 10.0, prop.buckets
+    assert prop.goodput_stats["kept"] > 0
+
+
 def test_lookahead_classes_align_with_drafts():
     p = LookaheadProposer(6, ngram=3)
     text = [1, 2, 3, 4, 5, 1, 2, 3]

@@ -275,6 +275,7 @@ def plugin_state_summary(worker) -> dict:
     if la is not None:
         out["req_ids"] = sorted(set(out["req_ids"]) | set(la.states))
         out["requests"] = len(out["req_ids"])
+        out["nbytes"] = (nbytes or 0) + sum(la.state_nbytes(r) for r in la.states)
     shared = getattr(la or impl, "shared", None)
     if shared is not None:    # lookahead's cross-request table: bounded, never freed
         out["shared_pool"] = {"contexts": len(shared), "cap": shared.cap}

@@ -446,15 +446,19 @@ def plot_bandit(raw, path, title):
     hist = st["history"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [2, 1]})
     ax = axes[0]
-    buckets = sorted({int(k.rsplit("|", 1)[1]) for k in st["tables"]} | {h[2] for h in hist})
-    color = {b: f"C{i}" for i, b in enumerate(buckets)}      # one color per batch bucket, both panels
+    # one color per table (traffic key | batch bucket), both panels
+    tables = sorted(set(st["tables"]) | {f"{h[1]}|{h[2]}" for h in hist},
+                    key=lambda k: (k.rsplit("|", 1)[0], int(k.rsplit("|", 1)[1])))
+    color = {k: f"C{i % 10}" for i, k in enumerate(tables)}
     if hist:
         steps = np.array([h[0] for h in hist])
         arms = np.array([h[3] for h in hist])
-        for b in buckets:
-            m = np.array([h[2] == b for h in hist])
-            ax.scatter(steps[m], arms[m], s=6, color=color[b], label=f"batch >= {b}")
-        if len(buckets) > 1:
+        for k in tables:
+            m = np.array([f"{h[1]}|{h[2]}" == k for h in hist])
+            if m.any():
+                ax.scatter(steps[m], arms[m], s=6, color=color[k], label=k.replace("|", " batch>=", 1)
+                           if "|" in k else k)
+        if len(tables) > 1:
             ax.legend(loc="upper right", fontsize=7)
     for cat, s0 in (raw.get("group_start_step") or {}).items():
         ax.axvline(s0, color="gray", lw=0.8, ls="--")
@@ -467,10 +471,40 @@ def plot_bandit(raw, path, title):
     w = 0.8 / max(len(keys), 1)
     for j, k in enumerate(keys):
         means = [m if m is not None else 0.0 for m in st["tables"][k]["mean_reward"]]
-        ax.barh(np.arange(len(shapes)) + j * w, means, w, label=k, color=color[int(k.rsplit("|", 1)[1])])
+        ax.barh(np.arange(len(shapes)) + j * w, means, w, label=k, color=color[k])
     ax.set_yticks(np.arange(len(shapes)) + w * (len(keys) - 1) / 2, shapes)
     ax.set_xlabel("discounted mean reward (tokens/s per request)")
     ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_sweep(results, name, cats, path, title):
+    """Per category: every fixed shape of bandit_tree method NAME (from --sweep) and the bandit
+    itself, tau against the best static chain's (x) and tokens/s against the best fixed shape's (y)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(cats), figsize=(6 * len(cats), 4.5), squeeze=False)
+    for ax, cat in zip(axes[0], cats):
+        row = results[name][cat]
+        if "best_static_chain" not in row or "best_fixed_shape" not in row:
+            continue
+        chain = results[row["best_static_chain"]][cat]["tau"]
+        best = results[name + "@" + row["best_fixed_shape"]][cat]["tokens_per_s"]
+        for n, r in results.items():
+            if n == name or n.startswith(name + "@"):
+                x, y = r[cat]["tau"] / chain, r[cat]["tokens_per_s"] / best
+                ax.scatter([x], [y], color="C3" if n == name else "C0", s=30 if n == name else 14)
+                ax.annotate(n.split("@")[1] if "@" in n else "bandit", (x, y), fontsize=7,
+                            xytext=(3, 3), textcoords="offset points")
+        ax.axhline(0.95, color="gray", lw=0.8, ls="--")
+        ax.axvline(1.15, color="gray", lw=0.8, ls="--")
+        ax.set_title(f"{cat} (chain {row['best_static_chain'].split('@')[-1]}: tau {chain:.2f}; "
+                     f"best {row['best_fixed_shape']}: {best:.1f} tok/s)", fontsize=9)
+        ax.set_xlabel("tau / tau of the best static chain")
+        ax.set_ylabel("tokens/s / best fixed shape's")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -629,6 +663,10 @@ def main(argv=None):
             bpng = os.path.splitext(png)[0] + f"_{name.replace('@', '_')}.png"
             plot_bandit(raw[name], bpng, f"{name}: batch {args.batch_size}, {args.dtype}")
             print(f"wrote {bpng}")
+            if any(n.startswith(name + "@") for n in results):
+                spng = os.path.splitext(png)[0] + f"_{name}_sweep.png"
+                plot_sweep(results, name, cats, spng, f"{name} and its fixed shapes: batch {args.batch_size}, {args.dtype}")
+                print(f"wrote {spng}")
     print(f"\nwrote {args.json} and {png}")
     return out
 

@@ -36,3 +36,44 @@ def test_margin_from_a_reference_run_that_left_plains_text_is_not_used():
     # is for another text
     got = _classify(2.0, "bfloat16", reference=(7, 5, 9))
     assert got["kind"] == "unknown" and got["top2_margin"] is None and got["reference_diverged_at"] == 1
+
+
+def _sweep_results():
+    """bandit `bt` beside its fixed shapes (chain 1-1-1, trees 3-1 and 4-2-1): chat and code."""
+    rows = {"bt": (80.0, 1.70, 70.0, 1.90), "bt@1-1-1": (76.0, 1.60, 72.0, 1.94),
+            "bt@3-1": (81.0, 1.70, 66.0, 1.80), "bt@4-2-1": (77.0, 1.85, 60.0, 2.10)}
+    return {n: {"chat": {"tokens_per_s": a, "tau": b}, "code": {"tokens_per_s": c, "tau": d}}
+            for n, (a, b, c, d) in rows.items()}
+
+
+def test_bandit_report_against_its_sweep_and_the_plots(tmp_path):
+    results = _sweep_results()
+    state = {"shapes": [[1, 1, 1], [3, 1], [4, 2, 1]],
+             "tables": {"chat|1": {"pulls": [5, 90, 5], "mean_reward": [70.0, 80.0, None]},
+                        "code|1": {"pulls": [90, 5, 5], "mean_reward": [75.0, 60.0, 55.0]}},
+             "history": [[i, "chat" if i < 50 else "code", 1, i % 3, 70.0] for i in range(100)]}
+    raw = {n: {} for n in results}
+    raw["bt"] = {"plugin_state": [{"bandit": state}], "group_start_step": {"chat": 0, "code": 50}}
+    configs = {"bt": {"method": "bandit_tree", "drafter": "mamba"}} | {n: None for n in results if "@" in n}
+    bench.bandit_report(results, raw, configs, None)
+    chat, code = results["bt"]["chat"], results["bt"]["code"]
+    assert chat["best_fixed_shape"] == "3-1" and chat["vs_best_fixed_shape"] == pytest.approx(80 / 81)
+    assert code["best_fixed_shape"] == "1-1-1" and code["vs_best_fixed_shape"] == pytest.approx(70 / 72)
+    assert chat["best_static_chain"] == "bt@1-1-1" and chat["tau_vs_best_static_chain"] == pytest.approx(1.70 / 1.60)
+    assert chat["bandit_tables"]["chat|1"]["3-1"] == {"pulls": 90, "mean_reward": 80.0}
+    bench.plot_bandit(raw["bt"], tmp_path / "shapes.png", "bt")
+    bench.plot_sweep(results, "bt", ["chat", "code"], tmp_path / "sweep.png", "bt")
+    assert (tmp_path / "shapes.png").stat().st_size > 10_000 and (tmp_path / "sweep.png").stat().st_size > 10_000
+
+
+def test_tree_tau_replay_walks_spine_and_leaves():
+    spec = importlib.util.spec_from_file_location("replay", Path(__file__).parent.parent / "scripts" / "tree_tau_replay.py")
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    # rank of the target's token among the drafter's top tokens at each answer position (0: the
+    # chain's token; a leaf of width w holds ranks < w, and the path ends at a leaf)
+    ranks = [[0, 0, 1, 5, 0, 2]]
+    assert replay.tau((1,), ranks) == pytest.approx(6 / 4)         # 0+ | 1 | 5 | 0+
+    assert replay.tau((1, 1, 1), ranks) == pytest.approx(6 / 3)    # 0 0 + | 5 | 0 +
+    assert replay.tau((2, 1, 1), ranks) == pytest.approx(6 / 3)    # the 2-wide level is depth 1 only
+    assert replay.tau((1, 1, 2), ranks) == pytest.approx(6 / 2)    # 0 0 1(leaf) + | 0 +

@@ -77,3 +77,11 @@ def test_tree_tau_replay_walks_spine_and_leaves():
     assert replay.tau((1, 1, 1), ranks) == pytest.approx(6 / 3)    # 0 0 + | 5 | 0 +
     assert replay.tau((2, 1, 1), ranks) == pytest.approx(6 / 3)    # the 2-wide level is depth 1 only
     assert replay.tau((1, 1, 2), ranks) == pytest.approx(6 / 2)    # 0 0 1(leaf) + | 0 +
+
+
+def test_interleave_memory_warning(tmp_path, capsys):
+    mi = tmp_path / "meminfo"
+    mi.write_text("MemTotal:       24000000 kB\nMemAvailable:   23068672 kB\n")     # 22 GiB
+    assert not bench.warn_memory(9, str(mi))
+    assert bench.warn_memory(11, str(mi)) and "11 engines" in capsys.readouterr().err
+    assert not bench.warn_memory(11, str(tmp_path / "missing"))

@@ -236,6 +236,11 @@ class BanditTreeProposer(LookaheadProposer):
         #: set by the engine adapter under tensor parallelism: makes every rank use rank 0's arms
         self.sync = None
 
+    def _once_total(self) -> float:
+        """One-off seconds so far (the pool's first indexing of prompts, the drafter's prompt
+        scans): no arm's cost."""
+        return self.once_seconds + (self.mamba.once_seconds if self.mamba is not None else 0.0)
+
     # ---- traffic keys ------------------------------------------------------------------------
     def key_of(self, req: RequestStep) -> str:
         if self.scope == "global":
@@ -337,7 +342,7 @@ class BanditTreeProposer(LookaheadProposer):
             arms = self.sync(arms)
         k = ctx.budget(self.k)
         cands = None
-        once0 = self.once_seconds + (self.mamba.once_seconds if self.mamba is not None else 0.0)
+        once0 = self._once_total()
         if self.mamba is not None:      # one batched drafter pass for the rows whose arm drafts
             pull = {i: self.shapes[arms[self.key_of(r)]] for i, r in enumerate(ctx.requests) if r.sampled and k}
             pull = {i: s for i, s in pull.items() if s}
@@ -388,9 +393,7 @@ class BanditTreeProposer(LookaheadProposer):
             if len(tree):
                 self.subsets[req.req_id] = (len(tree), tree.is_chain, subs, wider)
             out.append(tree)
-        # one-off work (the drafter's prompt scans, the pool's first indexing of a prompt) is no
-        # arm's cost
-        self.once_s = self.once_seconds + (self.mamba.once_seconds if self.mamba is not None else 0.0) - once0
+        self.once_s = self._once_total() - once0
         for arm, v in drafted.items():
             self.nodes[arm] = 0.9 * self.nodes[arm] + 0.1 * sum(v) / len(v)
         self.steps += 1

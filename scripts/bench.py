@@ -474,8 +474,7 @@ def plot_bandit(raw, path, title):
         for k in tables:
             m = np.array([f"{h[1]}|{h[2]}" == k for h in hist])
             if m.any():
-                ax.scatter(steps[m], arms[m], s=6, color=color[k], label=k.replace("|", " batch>=", 1)
-                           if "|" in k else k)
+                ax.scatter(steps[m], arms[m], s=6, color=color[k], label=k.replace("|", " batch>=", 1))
         if len(tables) > 1:
             ax.legend(loc="upper right", fontsize=7)
     for cat, s0 in (raw.get("group_start_step") or {}).items():
@@ -485,7 +484,7 @@ def plot_bandit(raw, path, title):
     ax.set_xlabel("engine step")
     ax.set_ylabel("shape chosen (nodes per depth)")
     ax = axes[1]
-    keys = sorted(st["tables"], key=lambda k: (k.rsplit("|", 1)[0], int(k.rsplit("|", 1)[1])))
+    keys = [k for k in tables if k in st["tables"]]
     w = 0.8 / max(len(keys), 1)
     for j, k in enumerate(keys):
         means = [m if m is not None else 0.0 for m in st["tables"][k]["mean_reward"]]

@@ -64,9 +64,9 @@ def main():
         for pr, o in zip(prompts, texts):
             seq = pr + tok.encode(o[0] if isinstance(o, list) else o, add_special_tokens=False)
             with torch.no_grad():
-                h, _ = d(torch.tensor([seq]))
-                top = d.draft_vocab[d.logits(h[0]).topk(W, -1).indices]
-            hit = top[len(pr):-1] == torch.tensor(seq[len(pr) + 1:]).unsqueeze(1)
+                h, _ = d(torch.tensor([seq]))        # the drafter's top W at the answer's positions only
+                top = d.draft_vocab[d.logits(h[0, len(pr):-1]).topk(W, -1).indices]
+            hit = top == torch.tensor(seq[len(pr) + 1:]).unsqueeze(1)
             ranks.append(torch.where(hit.any(1), hit.float().argmax(1), W).tolist())
         res[cat] = {s: tau(s, ranks) for s in shapes}
     for s in shapes:

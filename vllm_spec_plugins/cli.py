@@ -50,6 +50,9 @@ def _default_model_if_missing(argv: list[str]) -> list[str]:
 def main() -> int | None:
     _patch_distribution_name()
     sys.argv = _default_model_if_missing(sys.argv)
+    if len(sys.argv) > 2 and sys.argv[1] == "serve":
+        from vllm_spec_plugins.memory import choose_for_serve
+        choose_for_serve(sys.argv, None if sys.argv[2].startswith("-") else sys.argv[2])
     from vllm.entrypoints.cli.main import main as vllm_main
     sys.argv[0] = "vllm"
     return vllm_main()

@@ -117,7 +117,7 @@ def test_engine_process_serves_turns(default_model, heldout_prompts, plain):
 
 def test_bench_engines_keep_the_openmp_default_wait_policy(monkeypatch):
     """Benchmark engines must not inherit OMP_WAIT_POLICY=PASSIVE (this suite's setting): it
-    slows vLLM's CPU decode ~40% at batch 1 (README, session 16). bench.py passes None."""
+    slows vLLM's CPU decode ~40% at batch 1 (scripts/omp_policy.py). bench.py passes None."""
     from vllm_spec_plugins.runner import ENGINE_ENV, _child_env
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     assert "OMP_WAIT_POLICY" not in ENGINE_ENV

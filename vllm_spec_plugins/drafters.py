@@ -461,7 +461,7 @@ def train(target: str, work: Path, minutes: float, steps: int, seed: int, lr: fl
 # ---------------------------------------------------------------- 3b. token-only drafters (Mamba, and its Transformer baseline)
 DRAFT_VOCAB = 8192      # head rows: the most frequent tokens of the teacher data (>= 98% of answer tokens here)
 # The Transformer baseline's MLP width makes its parameter count the Mamba drafter's (4.167M
-# against 4.166M at hidden 576); up to session 23 it ran mlp=768, 4.43M: 6% larger.
+# against 4.166M at hidden 576); an earlier baseline ran mlp=768, 4.43M: 6% larger.
 SSM_SIZES = {"mamba": dict(n_layers=2), "transformer": dict(n_layers=2, mlp=693)}
 
 

@@ -1,0 +1,250 @@
+"""The package as a user gets it: generated docs current, the benchmark page from result JSONs,
+`--config NAME` resolution, and a wheel installed in a clean venv serving a packaged drop-in."""
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+
+from test_serve import _free_port, _get, _post, stop
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gen_docs = _load("gen_docs")
+
+
+# ---------------------------------------------------------------- generated docs
+def test_generated_docs_are_current():
+    """docs/configuration.md's key tables and docs/benchmarks.md's result tables are what
+    scripts/gen_docs.py makes from config.py and docs/results/*.json (run it to fix)."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_docs.py"), "--check"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_key_tables_cover_every_user_method_and_key():
+    from vllm_spec_plugins.config import METHODS
+    text = gen_docs.render_keys()
+    for method, keys in METHODS.items():
+        if method in ("oracle", "adversarial"):
+            assert f"### `{method}`" not in text
+            continue
+        section = text.split(f"### `{method}`", 1)[1].split("### ", 1)[0]
+        for name in keys:
+            assert f"| `{name}` |" in section, (method, name)
+    assert "| `model` | required |" in text          # mamba's drafter folder has no default
+
+
+def test_no_dated_run_logs():
+    """The repository speaks of the project as it is: no "session N" logs in the README, docs
+    or code (measured tables belong in docs/benchmarks.md, reasoning in commit messages)."""
+    pat = re.compile(r"session [0-9]+", re.I)
+    hits = []
+    for top in ("README.md", "docs", "vllm_spec_plugins", "proposers", "scorers"):
+        p = ROOT / top
+        for f in [p] if p.is_file() else p.rglob("*"):
+            if f.is_file() and f.suffix in (".md", ".py", ".c", ".yaml", ".json") and "__pycache__" not in f.parts:
+                hits += [f"{f.relative_to(ROOT)}:{i}" for i, line in enumerate(f.read_text(errors="replace").splitlines(), 1)
+                         if pat.search(line)]
+    assert not hits, hits
+
+
+def test_readme_is_short_and_opens_with_the_two_commands():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 260
+    first = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    assert "bash scripts/setup.sh && .venv/bin/vllm-spec serve --config configs/lookahead.yaml" in first
+    assert "bash scripts/test.sh" in first
+    for doc in re.findall(r"\]\((docs/[^)#]+)", text):
+        assert (ROOT / doc).exists(), doc
+
+
+# ---------------------------------------------------------------- benchmark page
+BENCH_ARGS = ["--methods", "plain,lookahead", "--categories", "chat,code", "--n-per-category", "2",
+              "--batch-size", "8", "--max-tokens", "128", "--dtype", "bfloat16", "--eager", "--warm", "16",
+              "--interleave", "1", "--method-config", 'la3={"method":"lookahead","num_speculative_tokens":3}',
+              "--json", "docs/results/b8.json"]
+
+
+def _synthetic_result(bench, **extra) -> dict:
+    """A small result in the format scripts/bench.py writes: its own argparse namespace as
+    `config`, its own `summarize` for the per-category rows."""
+    args = bench.parse_args(BENCH_ARGS)
+
+    def group(tps, tau_steps, accepted, outputs):
+        gen = sum(len(o[0]) for o in outputs)
+        return {"tokens_per_s": tps, "tau": gen / tau_steps, "drafts": 10, "draft_tokens": 30,
+                "accepted": accepted, "accepted_per_pos": [accepted, 0, 0], "generated_tokens": gen,
+                "seconds": gen / tps, "outputs": outputs}
+    plain = {"groups": {"chat": group(40.0, 6, 0, [[[1, 2, 3]], [[4, 5, 6]]]),
+                        "code": group(50.0, 6, 0, [[[7, 8, 9]], [[1, 1, 1]]])}}
+    la = {"groups": {"chat": group(60.0, 4, 2, [[[1, 2, 3]], [[4, 5, 6]]]),
+                     "code": group(55.0, 3, 3, [[[7, 8, 9]], [[1, 1, 2]]])}}
+    results = {"plain": bench.summarize(plain, plain, True), "lookahead": bench.summarize(la, plain, True)}
+    results["lookahead"]["code"]["mismatch_analysis"] = [{"prompt": 1, "first_diff_token": 2,
+                                                          "top2_margin": 0.25, "kind": "near-tie"}]
+    out = {"results": results,
+           "config": vars(args) | {"model": "/home/u/.cache/vllm_spec_plugins/smollm2-135m-instruct",
+                                   "method_configs": {"plain": None,
+                                                      "lookahead": {"method": "lookahead", "num_speculative_tokens": 6}},
+                                   "n_prompts": {"chat": 2, "code": 2}},
+           "machine": {"platform": "Linux-6.1-x86_64", "cpus": 2, "python": "3.11.7"}}
+    out.update(extra)
+    return out
+
+
+def test_benchmarks_page_from_a_synthetic_result(tmp_path):
+    bench = _load("bench")
+    (tmp_path / "b8.json").write_text(json.dumps(_synthetic_result(bench)))
+    text = gen_docs.render_results(str(tmp_path))
+    assert "## `b8`" in text
+    # the command, rebuilt from the recorded arguments, parses back to the same arguments
+    cmd = text.split("```bash\n", 1)[1].split("\n```", 1)[0]
+    assert shlex.split(cmd)[:2] == ["python", "scripts/bench.py"]
+    assert vars(bench.parse_args(shlex.split(cmd)[2:])) == vars(bench.parse_args(BENCH_ARGS))
+    assert "(command rebuilt from the arguments the JSON records)" in text
+    assert "code version: not recorded" in text
+    assert "CPU model not recorded" in text and "CPU flags not recorded" in text
+    assert "batch size: 8" in text and "answer length: 128 tokens" in text
+    assert "warm: each engine first served 16 training prompts per category" in text
+    assert "chat 2, code 2" in text
+    # method x category: tokens/s vs plain and tau; plain's own tokens/s; lossless column
+    assert "| `plain` | 1.00x (40.0 tok/s) | 1.00 | 1.00x (50.0 tok/s) | 1.00 | - |" in text
+    assert "| `lookahead` | 1.50x | 1.50 | 1.10x | 2.00 | differs: 1 near-tie |" in text
+
+
+def test_benchmarks_page_names_the_host_and_code_version_when_recorded(tmp_path):
+    bench = _load("bench")
+    res = _synthetic_result(bench, command="python scripts/bench.py --methods plain,lookahead",
+                            git_sha="0123abc")
+    res["machine"] |= {"cpu_model": "AMD EPYC 9R14", "cpu_flags": "fpu avx2 avx512f avx512_bf16 sse4_2 ht"}
+    res["config"]["warm"] = 0
+    (tmp_path / "cold.json").write_text(json.dumps(res))
+    (tmp_path / "other.json").write_text(json.dumps({"kind": "something else"}))
+    text = gen_docs.render_results(str(tmp_path))
+    assert "python scripts/bench.py --methods plain,lookahead\n```" in text
+    assert "(command rebuilt" not in text.split("## `other`")[0]
+    assert "code version: `0123abc`" in text
+    assert "CPU AMD EPYC 9R14" in text and "flags: avx2 avx512_bf16 avx512f sse4_2" in text
+    assert "cold: no warm-up prompts" in text
+    assert "## `other`" in text and "not rendered" in text
+
+
+def test_benchmarks_page_without_results(tmp_path):
+    assert "No benchmark results are committed yet" in gen_docs.render_results(str(tmp_path))
+
+
+# ---------------------------------------------------------------- --config NAME
+def test_config_by_name_resolves_to_the_packaged_dropin(tmp_path, monkeypatch):
+    from vllm_spec_plugins import cli
+    monkeypatch.chdir(tmp_path)
+    shipped = cli.packaged_configs()
+    assert {"lookahead", "mamba_smollm2", "bandit_tree"} <= set(shipped)
+    for name in ("lookahead", "lookahead.yaml"):
+        path = cli.resolve_config(name)
+        assert path == shipped["lookahead"] and Path(path).is_file()
+    argv = cli._default_model_if_missing(["vllm-spec", "serve", "M", "--config=mamba_smollm2", "--port", "1"])
+    assert argv == ["vllm-spec", "serve", "M", "--config=" + shipped["mamba_smollm2"], "--port", "1"]
+    own = tmp_path / "lookahead"            # an existing file wins over a packaged name
+    own.write_text("speculative-config: {method: lookahead}\n")
+    assert cli.resolve_config("lookahead") == "lookahead"
+    with pytest.raises(SystemExit, match="no packaged drop-in.*packaged: .*lookahead"):
+        cli.resolve_config("no_such_dropin")
+    with pytest.raises(SystemExit, match="no such file"):
+        cli.resolve_config("missing/lookahead.yaml")
+
+
+# ---------------------------------------------------------------- the wheel, in a clean venv
+SOURCES = ("setup.py", "README.md", "LICENSE", "MANIFEST.in", "vllm_spec_plugins", "proposers", "scorers", "configs")
+
+
+def _run(cmd, **kw):
+    r = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    assert r.returncode == 0, f"{cmd}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+def test_wheel_in_a_clean_venv_serves_a_packaged_dropin(tmp_path):
+    """`pip install` of the built wheel (not editable) gives the CLI, the shipped drafters and the
+    YAML drop-ins; `vllm-spec serve --config lookahead` from an unrelated folder serves with it."""
+    src = tmp_path / "src"        # a copy: a stale build/ in the checkout must not leak into the wheel
+    src.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so")
+    for name in SOURCES:
+        p = ROOT / name
+        if p.is_dir():
+            shutil.copytree(p, src / name, ignore=ignore)
+        elif p.exists():
+            shutil.copy2(p, src / name)
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+          "-w", str(tmp_path / "dist"), str(src)], cwd=src)
+    wheel, = (tmp_path / "dist").glob("vllm_spec_plugins-*.whl")
+
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)])
+    py = venv / "bin" / "python"
+    site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip())
+    # vLLM, torch, ... from this venv's site-packages, listed in a .pth: appended to sys.path, but
+    # .pth files inside it are not processed, so its editable install of this package stays off.
+    here = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    (site / "main_venv.pth").write_text("\n".join(sorted(here)) + "\n")
+    _run([str(py), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)])
+
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_PLUGINS")}
+    env |= {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    probe = _run([str(py), "-c",
+                  "import json, vllm_spec_plugins as p; from importlib.resources import files; "
+                  "from vllm_spec_plugins.drafters import shipped_drafter as d; "
+                  "print(json.dumps([p.__file__, sorted(x.name for x in files('vllm_spec_plugins.configs').iterdir()), "
+                  "str(d('smollm2-135m-instruct-mamba')), str(d('smollm2-135m-instruct-eagle'))]))"],
+                 cwd=cwd, env=env)
+    init, configs, *drafters = json.loads(probe.strip().splitlines()[-1])
+    assert Path(init).is_relative_to(site), f"imported {init}, not the wheel's copy under {site}"
+    assert {"lookahead.yaml", "mamba_smollm2.yaml", "bandit_tree.yaml"} <= set(configs)
+    for d in drafters:
+        assert Path(d).is_relative_to(site) and (Path(d) / "model.safetensors").stat().st_size > 1e6
+    assert (site / "vllm_spec_plugins" / "csrc" / "tree_attention.c").is_file()
+
+    port = _free_port()
+    log_path = tmp_path / "server.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen([str(venv / "bin" / "vllm-spec"), "serve", "--config", "lookahead",
+                             "--port", str(port), "--enforce-eager"],
+                            cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 360
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-4000:]
+            try:
+                _get(base + "/health")
+                break
+            except Exception:
+                assert time.time() < deadline, "server did not come up:\n" + log_path.read_text()[-4000:]
+                time.sleep(2)
+        model = json.loads(_get(base + "/v1/models"))["data"][0]["id"]
+        r = _post(base + "/v1/completions", {"model": model, "prompt": "def fib(n):",
+                                              "max_tokens": 8, "temperature": 0})
+        assert r["choices"][0]["text"].strip(), r
+        assert "vllm:spec_decode" in _get(base + "/metrics")
+    finally:
+        stop(proc)
+        log.close()

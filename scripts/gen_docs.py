@@ -193,14 +193,15 @@ def _prompts(cfg: dict) -> str:
 def _warm(cfg: dict) -> str:
     if cfg.get("warm"):
         b = cfg.get("warm_batch") or cfg.get("batch_size")
-        return (f"warm: each engine first served {cfg['warm']} training prompts per category "
+        return (f"**warm**: each engine first served {cfg['warm']} training prompts per category "
                 f"(batch {b}), not measured")
-    return "cold: no warm-up prompts (each engine measured from its first request)"
+    return "**cold**: no warm-up, each engine measured from its first request"
 
 
 def _mode(cfg: dict) -> str:
     if cfg.get("interleave"):
-        return f"all engines up at once, {cfg['interleave']} prompts each in turn (`--interleave`)"
+        n = cfg["interleave"]
+        return f"all engines up at once, {n} prompt{'s' if n != 1 else ''} each in turn (`--interleave`)"
     if (cfg.get("repeats") or 1) > 1:
         return f"one engine at a time, {cfg['repeats']} repeats (median tokens/s)"
     if cfg.get("no_plain_rerun"):
@@ -248,7 +249,7 @@ def render_result(name: str, out: dict, plot: str | None = None) -> str:
               f"{cfg.get('max_tokens', NOT_RECORDED)} tokens; dtype {dtype}; temperature {temp}; "
               f"{cfg.get('threads', NOT_RECORDED)} threads per engine"
               + ("; `enforce_eager`" if cfg.get("eager") else ""),
-              f"- warm-up: {_warm(cfg)}",
+              f"- cold/warm: {_warm(cfg)}",
               f"- engines: {_mode(cfg)}", ""]
     plain = results["plain"]
     head = ["method"] + [f"{c}: x plain | {c}: tau" for c in cats] + ["greedy output vs plain"]
@@ -263,7 +264,9 @@ def render_result(name: str, out: dict, plot: str | None = None) -> str:
                 continue
             speed = f"{r.get('speedup_vs_plain', 0):.2f}x"
             if method == "plain":
-                speed += f" ({plain[c].get('tokens_per_s', 0):.1f} tok/s)"
+                fl = plain[c].get("tokens_per_s_first_last")
+                speed += (f" ({plain[c].get('tokens_per_s', 0):.1f} tok/s"
+                          + (f"; first / last run {fl[0]:.1f} / {fl[1]:.1f}" if fl else "") + ")")
             cells += [speed, f"{r.get('tau', 0):.2f}"]
         cells.append(_output_vs_plain(rows, cats) if method != "plain" else "-")
         lines.append("| " + " | ".join(cells) + " |")

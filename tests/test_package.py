@@ -122,7 +122,7 @@ def test_benchmarks_page_from_a_synthetic_result(tmp_path):
     assert "code version: not recorded" in text
     assert "CPU model not recorded" in text and "CPU flags not recorded" in text
     assert "batch size: 8" in text and "answer length: 128 tokens" in text
-    assert "warm: each engine first served 16 training prompts per category" in text
+    assert "cold/warm: **warm**: each engine first served 16 training prompts per category" in text
     assert "chat 2, code 2" in text
     # method x category: tokens/s vs plain and tau; plain's own tokens/s; lossless column
     assert "| `plain` | 1.00x (40.0 tok/s) | 1.00 | 1.00x (50.0 tok/s) | 1.00 | - |" in text
@@ -135,6 +135,7 @@ def test_benchmarks_page_names_the_host_and_code_version_when_recorded(tmp_path)
                             git_sha="0123abc")
     res["machine"] |= {"cpu_model": "AMD EPYC 9R14", "cpu_flags": "fpu avx2 avx512f avx512_bf16 sse4_2 ht"}
     res["config"]["warm"] = 0
+    res["results"]["plain"]["chat"]["tokens_per_s_first_last"] = [39.0, 41.0]
     (tmp_path / "cold.json").write_text(json.dumps(res))
     (tmp_path / "other.json").write_text(json.dumps({"kind": "something else"}))
     text = gen_docs.render_results(str(tmp_path))
@@ -142,7 +143,8 @@ def test_benchmarks_page_names_the_host_and_code_version_when_recorded(tmp_path)
     assert "(command rebuilt" not in text.split("## `other`")[0]
     assert "code version: `0123abc`" in text
     assert "CPU AMD EPYC 9R14" in text and "flags: avx2 avx512_bf16 avx512f sse4_2" in text
-    assert "cold: no warm-up prompts" in text
+    assert "cold/warm: **cold**: no warm-up" in text
+    assert "| `plain` | 1.00x (40.0 tok/s; first / last run 39.0 / 41.0) |" in text
     assert "## `other`" in text and "not rendered" in text
 
 

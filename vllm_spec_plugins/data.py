@@ -12,6 +12,20 @@ Splits
   sibling part. **Training scripts must only use ``split="train"``**; benchmarks use
   ``"heldout"``. ``assert_no_heldout(ids)`` is a guard for training code.
 
+De-duplication
+  Prompts are compared by normalised text (``normalize_text``: lowercase, whitespace collapsed).
+  A split never holds the same text twice, and a held-out prompt whose source text (the user turn,
+  the answer to summarize, the HumanEval prompt) equals any message of a training conversation or a
+  training HumanEval prompt is dropped: ShareGPT holds the same text under different ids, which the
+  id-hashed split alone would put on both sides (the warm-up prompts of scripts/bench.py are drawn
+  from the training split, so they are covered too). ``dedupe_rows`` does the same for any rows.
+
+Fresh prompts
+  ``fresh_prompts()``: prompts written for this project's benchmark and never used to tune any
+  method (``assets/prompts/fresh.json``, not from ShareGPT or HumanEval): ``chat``, ``code`` and
+  ``repetitive`` (multi-turn edits of the same code, tool-call / JSON output, summaries that quote
+  their source).
+
 Rows
   ``make_prompts()`` returns ``{"category", "messages", "id"}`` rows; ``messages`` is an OpenAI
   style chat (``[{"role": "user", "content": ...}]``) for a chat template. Row ids are
@@ -41,6 +55,8 @@ HUMANEVAL_ENV = "VLLM_SPEC_PLUGINS_HUMANEVAL"  # optional override of HumanEval.
 SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 CATEGORIES = ("chat", "code", "summarize")
+FRESH_CATEGORIES = ("chat", "code", "repetitive")
+FRESH_PATH = Path(__file__).parent / "assets" / "prompts" / "fresh.json"
 CHAT_MIN_CHARS, CHAT_MAX_CHARS = 20, 1500
 SUMMARIZE_MIN_CHARS, SUMMARIZE_MAX_CHARS = 800, 4000
 SUMMARIZE_INSTRUCTION = "Summarize the following text:\n\n"
@@ -250,9 +266,10 @@ def _chat_candidates(split: str | None) -> list[dict]:
         text = msgs[0]["content"].strip()
         if not (CHAT_MIN_CHARS <= len(text) <= CHAT_MAX_CHARS) or not _clean_ok(text):
             continue
-        if not is_englishish(text) or text in seen_text:
+        key = normalize_text(text)
+        if not is_englishish(text) or key in seen_text:
             continue
-        seen_text.add(text)
+        seen_text.add(key)
         rows.append({"category": "chat", "messages": [{"role": "user", "content": text}], "id": cid})
     return rows
 
@@ -266,9 +283,10 @@ def _summarize_candidates(split: str | None) -> list[dict]:
             text = m["content"].strip()
             if not (SUMMARIZE_MIN_CHARS <= len(text) <= SUMMARIZE_MAX_CHARS) or not _clean_ok(text):
                 continue
-            if "```" in text or not is_englishish(text) or text in seen_text:
+            key = normalize_text(text)
+            if "```" in text or not is_englishish(text) or key in seen_text:
                 continue  # prose only
-            seen_text.add(text)
+            seen_text.add(key)
             rows.append({
                 "category": "summarize",
                 "messages": [{"role": "user", "content": SUMMARIZE_INSTRUCTION + text}],
@@ -290,6 +308,103 @@ def _code_candidates(split: str | None) -> list[dict]:
 
 
 _CANDIDATES = {"chat": _chat_candidates, "summarize": _summarize_candidates, "code": _code_candidates}
+
+
+# ---------------------------------------------------------------------------------------------
+# De-duplication by normalised text
+# ---------------------------------------------------------------------------------------------
+_WS = re.compile(r"\s+")
+
+
+def normalize_text(text: str) -> str:
+    """Lowercase, runs of whitespace as one space, stripped: the key prompts are compared by."""
+    return _WS.sub(" ", str(text).lower()).strip()
+
+
+def _key(text: str) -> bytes:
+    return hashlib.sha1(normalize_text(text).encode("utf-8")).digest()
+
+
+def row_text(row: dict | str) -> str:
+    """The whole prompt of a row: its messages' contents (one per line), or ``prompt``."""
+    if isinstance(row, str):
+        return row
+    if "messages" in row:
+        return "\n".join(str(m.get("content", "")) for m in row["messages"])
+    return str(row.get("prompt", ""))
+
+
+def source_text(row: dict) -> str:
+    """The text a ``make_prompts`` row was made from: the user turn (chat), the answer to
+    summarize (summarize), the HumanEval prompt (code); other rows: ``row_text``."""
+    text = row_text(row)
+    cat = row.get("category")
+    head, _, tail = CODE_INSTRUCTION.partition("{prompt}")
+    if cat == "summarize" and text.startswith(SUMMARIZE_INSTRUCTION):
+        return text[len(SUMMARIZE_INSTRUCTION):]
+    if cat == "code" and text.startswith(head) and text.endswith(tail):
+        return text[len(head):len(text) - len(tail)]
+    return text
+
+
+@functools.lru_cache(maxsize=2)
+def _train_text_keys(sharegpt: str, humaneval: str) -> frozenset:
+    keys = set()
+    for conv in load_sharegpt(sharegpt):
+        if split_of(str(conv["id"])) != "train":
+            continue
+        for turn in conv.get("conversations") or []:
+            value = turn.get("value") if isinstance(turn, dict) else None
+            if isinstance(value, str):
+                keys.add(_key(value.strip()))
+    for p in humaneval_problems("train", humaneval):
+        keys.add(_key(p["prompt"]))
+    return frozenset(keys)
+
+
+def train_text_keys() -> frozenset:
+    """Keys (sha1 of the normalised text) of every message of every training-split ShareGPT
+    conversation and every training HumanEval prompt: what training or a warm-up may have seen."""
+    return _train_text_keys(str(sharegpt_path().resolve()), str(humaneval_path().resolve()))
+
+
+def dedupe_rows(rows: Iterable[dict], exclude: Iterable[dict | str] = ()) -> tuple[list[dict], list[dict]]:
+    """(kept, dropped): rows in order, dropping a row whose normalised whole prompt (``row_text``)
+    equals an earlier row's or one of ``exclude`` (rows or texts, e.g. the warm-up prompts)."""
+    seen = {_key(row_text(r)) for r in exclude}
+    kept, dropped = [], []
+    for r in rows:
+        k = _key(row_text(r))
+        (dropped if k in seen else kept).append(r)
+        seen.add(k)
+    return kept, dropped
+
+
+def _drop_seen_in_train(rows: list[dict]) -> list[dict]:
+    keys = train_text_keys()
+    return [r for r in rows if _key(source_text(r).strip()) not in keys]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fresh prompts (written for the benchmark, never tuned on)
+# ---------------------------------------------------------------------------------------------
+def fresh_prompts(categories: Sequence[str] | None = None, n_per_category: int | None = None,
+                  path: str | os.PathLike | None = None) -> list[dict]:
+    """Rows ``{"category", "messages", "id"}`` of the fresh set, in file order: ``categories`` a
+    subset of ``FRESH_CATEGORIES`` (default all), the first ``n_per_category`` of each (None: all).
+    Multi-turn rows carry earlier assistant turns; some have a system message (tool schemas)."""
+    doc = json.loads(Path(path or FRESH_PATH).read_text(encoding="utf-8"))
+    rows = doc["prompts"] if isinstance(doc, dict) else doc
+    cats = list(FRESH_CATEGORIES if categories is None else
+                ([categories] if isinstance(categories, str) else categories))
+    unknown = [c for c in cats if c not in {r["category"] for r in rows}]
+    if unknown:
+        raise ValueError(f"unknown fresh categories {unknown}; choose from {FRESH_CATEGORIES}")
+    out = []
+    for cat in cats:
+        picked = [dict(r) for r in rows if r["category"] == cat]
+        out.extend(picked if n_per_category is None else picked[:n_per_category])
+    return out
 
 
 class _TokenCounter:
@@ -350,6 +465,8 @@ def make_prompts(
     * ``code``: a HumanEval prompt as ``"Complete the following Python function:\\n```python\\n
       {prompt}```"``.
 
+    Texts are unique per split by normalised text, and a held-out row whose source text is a
+    message of the training split is dropped (module docstring, "De-duplication").
     Rows of each category are ordered by ``sha1(seed:category:id)`` and the first
     ``n_per_category`` are kept (all when None; fewer when the split has fewer, e.g. HumanEval
     heldout has ~16). ``split`` is 'heldout' (default), 'train' or 'all'/None.
@@ -366,7 +483,10 @@ def make_prompts(
     counter = _TokenCounter(tokenizer_dir) if max_prompt_tokens is not None else None
     rows: list[dict] = []
     for cat in categories:
-        cands = sorted(_CANDIDATES[cat](split), key=lambda r: _order_key(seed, cat, r["id"]))
+        cands = _CANDIDATES[cat](split)
+        if split == "heldout":      # the same text under a training id: seen by training / warm-up
+            cands = _drop_seen_in_train(cands)
+        cands = sorted(cands, key=lambda r: _order_key(seed, cat, r["id"]))
         picked = []
         for r in cands:
             if n_per_category is not None and len(picked) >= n_per_category:

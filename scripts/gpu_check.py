@@ -247,7 +247,16 @@ def load_qq_bias_tile(qq_bias_row_ptrs, seq_offset, context_len, qq_bias_stride_
 '''
 
 
+_KERNEL: dict = {}
+
+
 def load_kernel(args):
+    if "k" not in _KERNEL:
+        _KERNEL["k"] = _load_kernel(args)
+    return _KERNEL["k"]
+
+
+def _load_kernel(args):
     """Import vLLM's unified_attention (from the bundle unless --vllm installed) and the plugin's
     tree_attention module; returns (tua module, plugin module, info dict)."""
     info = {}
@@ -787,26 +796,31 @@ def spawn_compile(args, out_dir: Path) -> dict | None:
 # part 2: the verification-cost curve
 # ---------------------------------------------------------------------------------------------
 
-def make_cache_class():
-    """A KV cache of fixed addresses for one (batch, context): every step writes its q tokens at
+CURVE_WHAT = (
+    "median ms of one forward of the whole model (B requests x q query tokens each, over ctx cached tokens, "
+    "logits for every query token); chain = causal, tree = one random tree shape per cell, shared by the "
+    "batch (a static tree), positions ctx + depth. attn 'triton': every layer's attention is vLLM's Triton "
+    "unified_attention over a paged cache (block 16, shuffled blocks), the tree as qq_bias: one launch per "
+    "layer, the plugin's static-tree GPU path; new K/V are scattered into their slots like vLLM's "
+    "reshape_and_cache. attn 'sdpa': transformers' SDPA path with a 4-D additive mask over a contiguous "
+    "cache; with a mask transformers repeats K/V to all query heads (repeat_kv), so its cost grows with "
+    "context faster than a GQA kernel's: a plain-PyTorch reference, not vLLM's cost.")
+
+
+def make_cache_classes():
+    """Two KV caches of fixed addresses for one (batch, context): each step writes its q tokens at
     positions ctx..ctx+q-1 and attends to the first ctx+q positions, so repeated steps (and CUDA
-    graph replays) are identical. Duck-typed to what LlamaModel / LlamaAttention use
-    (update / get_seq_length / is_sliding), on top of transformers' Cache when it exists."""
+    graph replays) are identical. Duck-typed to what LlamaModel / LlamaAttention use (update /
+    get_seq_length / is_sliding), on top of transformers' Cache where it exists.
+    FixedKVCache: [B, Hkv, ctx + q_max, D] per layer (the SDPA path). PagedKVCache: vLLM's Triton
+    layout [num_blocks, block_size, Hkv, D] with a shuffled block table (block 0 = null block)."""
     try:
         from transformers.cache_utils import Cache as _Base
     except Exception:                                              # pragma: no cover
         _Base = object
 
-    class FixedKVCache(_Base):
+    class _Common(_Base):
         is_compileable = False
-
-        def __init__(self, torch, n_layers, B, Hkv, D, ctx, q_max, dtype, device, gen=None):   # noqa: D401
-            # (no super().__init__: its signature differs across transformers versions)
-            self.ctx = ctx
-            self.n_layers = n_layers
-            shape = (B, Hkv, ctx + q_max, D)
-            self.k = [torch.randn(shape, dtype=dtype, device=device, generator=gen) for _ in range(n_layers)]
-            self.v = [torch.randn(shape, dtype=dtype, device=device, generator=gen) for _ in range(n_layers)]
 
         @property
         def is_sliding(self):
@@ -815,20 +829,95 @@ def make_cache_class():
         def __len__(self):
             return self.n_layers
 
-        def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-            q = key_states.shape[-2]
-            s = self.ctx
-            self.k[layer_idx][:, :, s:s + q].copy_(key_states)
-            self.v[layer_idx][:, :, s:s + q].copy_(value_states)
-            return self.k[layer_idx][:, :, :s + q], self.v[layer_idx][:, :, :s + q]
-
         def get_seq_length(self, layer_idx=0):
             return self.ctx
 
         def get_mask_sizes(self, *a, **k):
-            raise RuntimeError("FixedKVCache is used with a prepared 4-D mask only")
+            raise RuntimeError("these caches are used with a prepared 4-D mask only")
 
-    return FixedKVCache
+    class FixedKVCache(_Common):
+        def __init__(self, torch, n_layers, B, Hkv, D, ctx, q_max, dtype, device, gen=None):
+            # (no super().__init__: its signature differs across transformers versions)
+            self.ctx, self.n_layers = ctx, n_layers
+            shape = (B, Hkv, ctx + q_max, D)
+            self.k = [torch.randn(shape, dtype=dtype, device=device, generator=gen) for _ in range(n_layers)]
+            self.v = [torch.randn(shape, dtype=dtype, device=device, generator=gen) for _ in range(n_layers)]
+
+        def set_step(self, q, qq_bias=None):
+            pass
+
+        def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+            q, s = key_states.shape[-2], self.ctx
+            self.k[layer_idx][:, :, s:s + q].copy_(key_states)
+            self.v[layer_idx][:, :, s:s + q].copy_(value_states)
+            return self.k[layer_idx][:, :, :s + q], self.v[layer_idx][:, :, :s + q]
+
+    class PagedKVCache(_Common):
+        def __init__(self, torch, n_layers, B, Hkv, D, ctx, q_max, dtype, device, gen=None, block_size=16):
+            self.torch, self.ctx, self.n_layers, self.B, self.bs, self.device = torch, ctx, n_layers, B, block_size, device
+            nblk = (ctx + q_max + block_size - 1) // block_size
+            nb = 1 + B * nblk
+            perm = torch.randperm(nb - 1, generator=torch.Generator().manual_seed(ctx * 7 + B)) + 1
+            bt = torch.cat([perm.view(B, nblk), torch.zeros(B, 64 // block_size + 1, dtype=perm.dtype)], 1)
+            self.block_table = bt.to(device=device, dtype=torch.int32)
+            shape = (nb, block_size, Hkv, D)
+            self.kc = [torch.randn(shape, dtype=dtype, device=device, generator=gen) for _ in range(n_layers)]
+            self.vc = [torch.randn(shape, dtype=dtype, device=device, generator=gen) for _ in range(n_layers)]
+            self.ones = torch.ones(1, dtype=torch.float32, device=device)
+            self.q = None
+
+        def set_step(self, q, qq_bias=None):
+            """This step's metadata: B requests of q rows after ctx cached tokens; qq_bias: the tree's
+            (tree_qq_bias) or None (causal)."""
+            torch, B = self.torch, self.B
+            pos = torch.arange(self.ctx, self.ctx + q, device=self.device)
+            self.slot_blk = self.block_table[:, pos // self.bs].reshape(-1).long()
+            self.slot_off = (pos % self.bs).repeat(B)
+            self.cu = torch.arange(0, (B + 1) * q, q, dtype=torch.int32, device=self.device)
+            self.seq = torch.full((B,), self.ctx + q, dtype=torch.int32, device=self.device)
+            self.q, self.qq = q, qq_bias
+
+        def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+            B, Hkv, q, D = key_states.shape
+            assert q == self.q, "set_step(q) before the forward"
+            self.kc[layer_idx][self.slot_blk, self.slot_off] = key_states.transpose(1, 2).reshape(B * q, Hkv, D)
+            self.vc[layer_idx][self.slot_blk, self.slot_off] = value_states.transpose(1, 2).reshape(B * q, Hkv, D)
+            return key_states, value_states
+
+    return FixedKVCache, PagedKVCache
+
+
+_TRITON_HOLDER: dict = {}
+
+
+def register_triton_attention(tua) -> str:
+    """transformers attention function 'vllm_triton': vLLM's unified_attention over the current
+    PagedKVCache (set in _TRITON_HOLDER['cache']) with its step's qq_bias. Returns the name."""
+    from transformers import AttentionInterface
+
+    def vllm_triton_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        import torch
+        cache = _TRITON_HOLDER["cache"]
+        B, H, q, D = query.shape
+        q2 = query.transpose(1, 2).reshape(B * q, H, D)
+        out = torch.empty_like(q2)
+        L = module.layer_idx
+        tua.unified_attention(
+            q=q2, k=cache.kc[L], v=cache.vc[L], out=out, cu_seqlens_q=cache.cu, max_seqlen_q=q,
+            seqused_k=cache.seq, max_seqlen_k=cache.ctx + q,
+            softmax_scale=scaling if scaling is not None else D ** -0.5, causal=True, window_size=(-1, -1),
+            block_table=cache.block_table, softcap=0, q_descale=None, k_descale=cache.ones, v_descale=cache.ones,
+            qq_bias=cache.qq)
+        return out.view(B, q, H, D), None
+    AttentionInterface.register("vllm_triton", vllm_triton_attention)
+    return "vllm_triton"
+
+
+def set_attn(model, name: str) -> None:
+    for mod in model.modules():                 # every config object the layers hold
+        c = getattr(mod, "config", None)
+        if c is not None and getattr(c, "_attn_implementation", None) != name:
+            c._attn_implementation = name
 
 
 def build_model(torch, args, device):
@@ -843,52 +932,75 @@ def build_model(torch, args, device):
             model = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(prev)
+    moved = False
+    if any(p.device.type != device.type for p in model.parameters()):     # (a transformers that ignores it)
+        model.to(device)
+        moved = True
     model.eval()
     n = sum(p.numel() for p in model.parameters())
     dts = sorted({str(p.dtype) for p in model.parameters()})
     devs = sorted({str(p.device) for p in model.parameters()})
     return model, cfg, {"shape": shape, "params": n, "param_dtypes": dts, "param_devices": devs,
-                        "attn_implementation": "sdpa", "weights": "random (transformers init), bf16"}
+                        "moved_after_init": moved, "weights": "random (transformers init), bf16"}
 
 
-def curve_grid(args):
+def curve_grid(args, attn: str):
+    """(batches, contexts, q_lens) of one attention mode."""
     if args.quick:
+        if attn == "triton" and args.interpret:           # the interpreter runs every program in Python
+            return (1,), (64,), (1, 4)
         return (1, 4), (64, 256), (1, 4, 16)
     return (1, 8, 32, 64), (512, 2048, 8192), (1, 2, 4, 8, 16, 32, 64)
 
 
+def curve_cells(args, attns) -> list[tuple]:
+    """Cells in priority order: batches 1 and 8 of every attention mode first, then the rest."""
+    groups = []
+    for small in (True, False):
+        for attn in attns:
+            batches, ctxs, qs = curve_grid(args, attn)
+            for B in batches:
+                if (B <= 8) != small:
+                    continue
+                for ctx in ctxs:
+                    for q in qs:
+                        for kind in (("chain",) if q == 1 else ("chain", "tree")):
+                            groups.append((attn, B, ctx, q, kind))
+    return groups
+
+
 def step_inputs(torch, rng, DraftTree, B, q, ctx, kind, vocab, device, dtype):
+    """ids [B, q], the 4-D additive mask [B, 1, q, ctx + q], positions [B, q] and the [q, q] mask
+    (one tree shape for the whole batch)."""
     ids = torch.randint(0, vocab, (B, q), device=device)
-    allowed = torch.zeros(B, q, q, dtype=torch.bool)
-    depth = torch.zeros(B, q, dtype=torch.long)
-    for b in range(B):
-        if kind == "chain":
-            m, d, _ = random_tree_mask(rng, DraftTree, q, "chain")
-        else:
-            m, d, _ = random_tree_mask(rng, DraftTree, q, None)
-        allowed[b] = m
-        depth[b] = torch.tensor(d)
+    m, d, _ = random_tree_mask(rng, DraftTree, q, "chain" if kind == "chain" else None)
     mask = torch.zeros(B, 1, q, ctx + q, dtype=dtype)
-    mask[:, 0, :, ctx:] = torch.zeros(B, q, q, dtype=dtype).masked_fill(~allowed, float("-inf"))
-    pos = (ctx + depth).to(device)
-    return ids, mask.to(device), pos
+    mask[:, 0, :, ctx:] = torch.zeros(q, q, dtype=dtype).masked_fill(~m, float("-inf"))
+    pos = (ctx + torch.tensor(d)).expand(B, q).contiguous().to(device)
+    return ids, mask.to(device), pos, m
 
 
-def kv_bytes(cfg, B, ctx, q_max):
+def kv_bytes(cfg, B, ctx, q_max, block=16):
     hd = cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * B * cfg.num_key_value_heads * (ctx + q_max) * hd * 2
+    slots = ((ctx + q_max + block - 1) // block + 1) * block
+    return 2 * cfg.num_hidden_layers * B * cfg.num_key_value_heads * slots * hd * 2
 
 
-def act_bytes(cfg, B, q, ctx):
+def act_bytes(cfg, B, q, ctx, attn):
     T = B * q
-    return (T * cfg.vocab_size * 2 * 3 + T * cfg.intermediate_size * 2 * 4
-            + B * cfg.num_attention_heads * q * (ctx + q) * 4 * 2 + (1 << 28))
+    b = T * cfg.vocab_size * 2 * 3 + T * cfg.intermediate_size * 2 * 4 + (1 << 28)
+    if attn == "sdpa":       # repeat_kv copies of one layer's K/V + a possible math-kernel score matrix
+        hd = cfg.hidden_size // cfg.num_attention_heads
+        b += 2 * B * cfg.num_attention_heads * (ctx + q) * hd * 2 * 2
+        b += B * cfg.num_attention_heads * q * (ctx + q) * 4 * 2
+    return b
 
 
 def time_cell(torch, model, cache, ids, mask, pos, device, median_ms, use_graph: bool, target_s: float) -> dict:
     def fwd():
         return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                      use_cache=True).logits
+    g = None
     if device.type == "cuda" and use_graph:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -902,7 +1014,7 @@ def time_cell(torch, model, cache, ids, mask, pos, device, median_ms, use_graph:
         fn, mode = g.replay, "cuda_graph"
     else:
         fwd()
-        fn, mode, g = fwd, "eager", None
+        fn, mode = fwd, "eager"
     one = median_ms(fn, 1, warmup=1)["ms"]
     reps = max(3, min(30, int(target_s * 1e3 / max(one, 1e-3))))
     r = median_ms(fn, reps, warmup=1)
@@ -911,84 +1023,114 @@ def time_cell(torch, model, cache, ids, mask, pos, device, median_ms, use_graph:
     return r
 
 
-def mask_sanity(torch, model, cfg, FixedKVCache, DraftTree, device) -> dict:
-    """Does the model honour the 4-D tree mask? A tree step's row for node t must equal the last
-    row of a chain step over t's path (same cache prefix, positions ctx + depth); the row a plain
-    causal mask would give (rows 0..t) must differ by far more."""
-    ctx, hd = 48, cfg.hidden_size // cfg.num_attention_heads
+def mask_sanity(torch, model, cfg, make_cache, device, dtype, qq_of) -> dict:
+    """Does the model honour the tree mask? A tree step's row for node t must equal the last row of
+    a chain step over t's path (same cached prefix, positions ctx + depth); the row a plain causal
+    mask gives (rows 0..t) must differ by far more. qq_of(mask) -> the cache's set_step bias."""
+    DraftTree = draft_tree_cls()
+    ctx, q = 48, 8
     t = DraftTree([0] * 7, [-1, 0, 0, 1, -1, 4, 2])          # node 6's path: 0, 2, 6 (depth 3)
-    q = 8
-    gen = torch.Generator(device=device).manual_seed(7)
-    cache = FixedKVCache(torch, cfg.num_hidden_layers, 1, cfg.num_key_value_heads, hd, ctx, q, torch.bfloat16,
-                         device, gen)
-    ids = torch.randint(0, cfg.vocab_size, (1, q), device=device, generator=gen)
+    cache = make_cache(1, ctx, q)
+    ids = torch.randint(0, cfg.vocab_size, (1, q), device=device, generator=torch.Generator(device=device).manual_seed(7))
 
-    def step(rows_ids, allowed, depths):
+    def step(rows_ids, allowed, depths, tree):
         n = allowed.shape[0]
-        m = torch.zeros(1, 1, n, ctx + n, dtype=torch.bfloat16)
-        m[0, 0, :, ctx:] = torch.zeros(n, n, dtype=torch.bfloat16).masked_fill(~allowed, float("-inf"))
+        m = torch.zeros(1, 1, n, ctx + n, dtype=dtype)
+        m[0, 0, :, ctx:] = torch.zeros(n, n, dtype=dtype).masked_fill(~allowed, float("-inf"))
+        cache.set_step(n, qq_of(allowed) if tree else None)
         pos = (ctx + torch.tensor(depths))[None].to(device)
         return model(input_ids=rows_ids, attention_mask=m.to(device), position_ids=pos, past_key_values=cache,
                      use_cache=True).logits[0].float()
     with torch.inference_mode():
-        tree = step(ids, t.ancestor_mask(), [0] + t.depths)
+        tree = step(ids, t.ancestor_mask(), [0] + t.depths, True)
         path_rows = [0] + [p + 1 for p in t.path(6)]              # rows 0, 1, 3, 7
-        chain = step(ids[:, path_rows], torch.ones(4, 4, dtype=torch.bool).tril(), [0, 1, 2, 3])
-        causal = step(ids, torch.ones(q, q, dtype=torch.bool).tril(), list(range(q)))
-    scale = float(tree[7].abs().max())
+        chain = step(ids[:, path_rows], torch.ones(4, 4, dtype=torch.bool).tril(), [0, 1, 2, 3], False)
+        causal = step(ids, torch.ones(q, q, dtype=torch.bool).tril(), list(range(q)), False)
     err = float((tree[7] - chain[-1]).abs().max())
     wrong = float((causal[7] - chain[-1]).abs().max())
-    del cache
     return {"tree_row_vs_chain_path_max_abs": err, "causal_row_vs_chain_path_max_abs": wrong,
-            "logit_scale": scale, "pass": bool(err <= 0.25 * wrong)}
+            "logit_scale": float(tree[7].abs().max()), "pass": bool(err <= 0.25 * wrong)}
 
 
 def part_curve(args, torch, device, budget: Budget, out_dir: Path, env: dict) -> dict:
     path = out_dir / "cost_curve.json"
-    res = {"schema": SCHEMA, "part": "curve", "env": env, "cells": [], "errors": [],
-           "what": "median ms of one forward (B requests x q query tokens each, over ctx cached tokens, "
-                   "logits for every query token), chain = causal 4-D mask, tree = random ancestor 4-D mask "
-                   "(both additive bf16 masks through SDPA), positions = ctx + depth"}
+    res = {"schema": SCHEMA, "part": "curve", "env": env, "cells": [], "errors": [], "what": CURVE_WHAT,
+           "mask_sanity": {}}
     if device.type != "cuda" and not args.quick:
         res["errors"].append("no CUDA device: the full curve runs on a GPU only (use --quick on CPU)")
         write_json(path, res)
         return res
     import transformers  # noqa: F401
+    attns = list(args.curve_attn)
+    if "triton" in attns and device.type != "cuda" and not args.interpret:
+        attns.remove("triton")
+        res["errors"].append("attn triton skipped: no CUDA device and no --interpret")
     t0 = time.monotonic()
     model, cfg, minfo = build_model(torch, args, device)
     minfo["build_s"] = round(time.monotonic() - t0, 2)
     res["model"] = minfo
     log(f"model: {minfo['params'] / 1e9:.2f}B params {minfo['param_dtypes']} on {minfo['param_devices']} "
         f"in {minfo['build_s']} s")
-    FixedKVCache = make_cache_class()
+    FixedKVCache, PagedKVCache = make_cache_classes()
     DraftTree = draft_tree_cls()
     median_ms = timer(torch, device)
-    try:
-        res["mask_sanity"] = mask_sanity(torch, model, cfg, FixedKVCache, DraftTree, device)
-        log(f"curve mask sanity: {res['mask_sanity']}")
-    except Exception as e:                                         # noqa: BLE001
-        res["mask_sanity"] = {"pass": False, "error": f"{type(e).__name__}: {e}"}
-        res["errors"].append({"mask_sanity": traceback.format_exc()[-3000:]})
-    batches, ctxs, qs = curve_grid(args)
-    cells = [(B, ctx, q, kind) for B in batches for ctx in ctxs for q in qs
-             for kind in (("chain",) if q == 1 else ("chain", "tree"))]
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    # the interpreter multiplies bf16 dot operands as raw bits: fp16 for Triton-attention cells there
+    dtype_of = {a: (torch.float16 if (a == "triton" and args.interpret) else torch.bfloat16) for a in attns}
+    ta = None
+    if "triton" in attns:
+        tua, ta, kinfo = load_kernel(args)
+        res["kernel"] = kinfo
+        triton_name = register_triton_attention(tua)
+    gen = torch.Generator(device=device).manual_seed(1234)
+    q_max = 64 if not args.quick else 16
+    current = {"dtype": torch.bfloat16}
+
+    def use(attn):
+        dt = dtype_of[attn]
+        if current["dtype"] != dt:
+            model.to(dt)
+            current["dtype"] = dt
+        set_attn(model, triton_name if attn == "triton" else "sdpa")
+
+    def make_cache(attn, B, ctx, qm):
+        if attn == "triton":
+            c = PagedKVCache(torch, cfg.num_hidden_layers, B, cfg.num_key_value_heads, hd, ctx, qm, dtype_of[attn],
+                             device, gen)
+            _TRITON_HOLDER["cache"] = c
+            return c
+        return FixedKVCache(torch, cfg.num_hidden_layers, B, cfg.num_key_value_heads, hd, ctx, qm, dtype_of[attn],
+                            device, gen)
+
+    def qq_of(m):
+        return ta.tree_qq_bias(m.to(device), device=device) if ta is not None else None
+
+    for attn in attns:
+        try:
+            use(attn)
+            res["mask_sanity"][attn] = mask_sanity(torch, model, cfg, lambda B, c, q: make_cache(attn, B, c, q),
+                                                   device, dtype_of[attn], qq_of)
+            log(f"curve mask sanity ({attn}): {res['mask_sanity'][attn]}")
+        except Exception as e:                                     # noqa: BLE001
+            res["mask_sanity"][attn] = {"pass": False, "error": f"{type(e).__name__}: {e}"}
+            res["errors"].append({"mask_sanity": attn, "traceback": traceback.format_exc()[-3000:]})
+            log(f"curve mask sanity ({attn}) failed: {type(e).__name__}: {e}")
+    res["mask_sanity_pass"] = bool(res["mask_sanity"]) and all(v.get("pass") for v in res["mask_sanity"].values())
+    cells = curve_cells(args, attns)
     eager_ref = set()
     if device.type == "cuda" and args.graphs == "auto":     # eager next to graphs for a few cells
-        eager_ref = {(1, 2048, q, "chain") for q in qs}
-    res["grid"] = {"batches": batches, "contexts": ctxs, "q_lens": qs, "masks": ["chain", "tree"],
-                   "note": "q=1: chain only (a 1-row tree is the same step)"}
+        eager_ref = {(a, 1, 2048, q, "chain") for a in attns for q in (1, 8, 64)}
+    res["grid"] = {a: dict(zip(("batches", "contexts", "q_lens"), curve_grid(args, a))) for a in attns}
+    res["grid_note"] = "q=1: chain only (a 1-row tree is the same step)"
     use_graph = device.type == "cuda" and args.graphs == "auto"
     rng = random.Random(1234)
-    gen = torch.Generator(device=device).manual_seed(1234)
-    q_max = max(qs)
-    hd = cfg.hidden_size // cfg.num_attention_heads
     bar = progress(len(cells), "cost curve")
     cache, cache_key = None, None
-    target_s = 0.05 if args.quick else 0.3
+    target_s = 0.02 if args.quick else 0.15
     last_write = time.monotonic()
     with torch.inference_mode():
-        for (B, ctx, q, kind) in cells:
-            rec = {"batch": B, "ctx": ctx, "q_len": q, "mask": kind}
+        for (attn, B, ctx, q, kind) in cells:
+            rec = {"attn": attn, "batch": B, "ctx": ctx, "q_len": q, "mask": kind}
             if budget.left() < args.reserve_s:
                 rec["status"] = "skipped_budget"
                 res["cells"].append(rec)
@@ -998,8 +1140,8 @@ def part_curve(args, torch, device, budget: Budget, out_dir: Path, env: dict) ->
                 # free once the current cache is dropped: the driver's free memory, what PyTorch
                 # holds unused in its cache, and the current cache itself
                 free = (torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-                        + (kv_bytes(cfg, *cache_key, q_max) if cache_key is not None else 0))
-                need = kv_bytes(cfg, B, ctx, q_max) + act_bytes(cfg, B, q, ctx)
+                        + (kv_bytes(cfg, cache_key[1], cache_key[2], q_max) if cache_key is not None else 0))
+                need = kv_bytes(cfg, B, ctx, q_max) + act_bytes(cfg, B, q, ctx, attn)
                 if need > 0.92 * free:
                     rec.update(status="skipped_memory", need_gib=round(need / 2 ** 30, 1),
                                free_gib=round(free / 2 ** 30, 1))
@@ -1007,31 +1149,34 @@ def part_curve(args, torch, device, budget: Budget, out_dir: Path, env: dict) ->
                     bar.update()
                     continue
             try:
-                if cache_key != (B, ctx):
+                use(attn)
+                if cache_key != (attn, B, ctx):
                     cache = None
+                    _TRITON_HOLDER.pop("cache", None)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
-                    cache = FixedKVCache(torch, cfg.num_hidden_layers, B, cfg.num_key_value_heads, hd, ctx, q_max,
-                                         torch.bfloat16, device, gen)
-                    cache_key = (B, ctx)
-                ids, mask, pos = step_inputs(torch, rng, DraftTree, B, q, ctx, kind, cfg.vocab_size, device,
-                                             torch.bfloat16)
+                    cache = make_cache(attn, B, ctx, q_max)
+                    cache_key = (attn, B, ctx)
+                ids, mask, pos, m = step_inputs(torch, rng, DraftTree, B, q, ctx, kind, cfg.vocab_size, device,
+                                                dtype_of[attn])
+                cache.set_step(q, qq_of(m) if kind == "tree" else None)
                 try:
                     r = time_cell(torch, model, cache, ids, mask, pos, device, median_ms, use_graph, target_s)
                 except Exception as e:                             # noqa: BLE001
-                    if not use_graph or isinstance(e, torch.cuda.OutOfMemoryError):
+                    if not use_graph or "out of memory" in str(e).lower():
                         raise
                     use_graph = False                              # capture failed: eager from here on
-                    res["errors"].append({"cell": rec, "graph_capture_failed": f"{type(e).__name__}: {e}",
+                    res["errors"].append({"cell": dict(rec), "graph_capture_failed": f"{type(e).__name__}: {e}",
                                           "traceback": traceback.format_exc()[-3000:]})
+                    log(f"CUDA graph capture failed ({type(e).__name__}: {str(e)[:200]}): eager from here on")
                     torch.cuda.synchronize()
                     r = time_cell(torch, model, cache, ids, mask, pos, device, median_ms, False, target_s)
                 rec.update(r)
                 rec["status"] = "ok"
                 rec["tokens"] = B * q
-                if (B, ctx, q, kind) in eager_ref and use_graph:
-                    e = time_cell(torch, model, cache, ids, mask, pos, device, median_ms, False, target_s)
-                    rec["eager_ms"] = e["ms"]
+                if (attn, B, ctx, q, kind) in eager_ref and use_graph:
+                    rec["eager_ms"] = time_cell(torch, model, cache, ids, mask, pos, device, median_ms, False,
+                                                target_s)["ms"]
             except Exception as e:                                 # noqa: BLE001
                 oom = "out of memory" in str(e).lower() or type(e).__name__ == "OutOfMemoryError"
                 rec["status"] = "oom" if oom else "error"
@@ -1039,6 +1184,7 @@ def part_curve(args, torch, device, budget: Budget, out_dir: Path, env: dict) ->
                 if not oom:
                     res["errors"].append({"cell": dict(rec), "traceback": traceback.format_exc()[-3000:]})
                 cache, cache_key = None, None
+                _TRITON_HOLDER.pop("cache", None)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.empty_cache()
@@ -1049,6 +1195,7 @@ def part_curve(args, torch, device, budget: Budget, out_dir: Path, env: dict) ->
                 last_write = time.monotonic()
     bar.close()
     del cache, model
+    _TRITON_HOLDER.clear()
     st = [c["status"] for c in res["cells"]]
     res["counts"] = {s: st.count(s) for s in sorted(set(st))}
     res["cuda_graphs"] = use_graph
@@ -1092,19 +1239,19 @@ def summary(kr: dict | None, cr: dict | None, pr: dict | None = None) -> None:
     if cr is not None:
         cells = [c for c in cr.get("cells", []) if c.get("status") == "ok"]
         log(f"curve: {cr.get('counts')} cuda_graphs={cr.get('cuda_graphs')} errors={len(cr.get('errors', []))} "
-            f"mask sanity pass={cr.get('mask_sanity', {}).get('pass')}")
+            f"mask sanity pass={cr.get('mask_sanity_pass')}")
         by = {}
         for c in cells:
-            by.setdefault((c["batch"], c["ctx"]), {})[(c["q_len"], c["mask"])] = c["ms"]
+            by.setdefault((c["attn"], c["batch"], c["ctx"]), {})[(c["q_len"], c["mask"])] = c["ms"]
         if by:
             qs = sorted({c["q_len"] for c in cells})
-            log("step ms, chain (tree/chain ratio) per q_len: " + " ".join(f"q{q}" for q in qs))
-            for (B, ctx), d in sorted(by.items()):
+            log("step ms of the chain (tree/chain) per q_len: " + " ".join(f"q{q}" for q in qs))
+            for (attn, B, ctx), d in sorted(by.items()):
                 parts = []
                 for q in qs:
                     ch, tr = d.get((q, "chain")), d.get((q, "tree"))
                     parts.append("-" if ch is None else f"{ch:.2f}" + (f"({tr / ch:.2f})" if tr else ""))
-                log(f"  B{B:<3} ctx{ctx:<5} " + " ".join(parts))
+                log(f"  {attn:<6} B{B:<3} ctx{ctx:<5} " + " ".join(parts))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1131,6 +1278,9 @@ def parse_args(argv=None):
                    help="where unified_attention comes from: the .gpu_bundle folder or an installed vLLM")
     p.add_argument("--bundle", default=str(DEFAULT_BUNDLE), help="bundle folder (scripts/gpu_bundle.py)")
     p.add_argument("--graphs", choices=("auto", "off"), default="auto", help="CUDA graphs for the curve")
+    p.add_argument("--curve-attn", default="triton,sdpa",
+                   help="attention of the curve's model: triton (vLLM's unified_attention, paged, qq_bias) "
+                        "and/or sdpa (transformers' SDPA with a 4-D mask)")
     p.add_argument("--no-kernel-timing", action="store_true")
     p.add_argument("--fault", choices=("none", "mask"), default="none",
                    help="testing: hand the kernel a wrong (transposed) tree mask; the check must fail")
@@ -1141,6 +1291,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     a.interp_dtypes = [d for d in a.interp_dtypes.split(",") if d]
     a.parts = [x for x in a.parts.split(",") if x]
+    a.curve_attn = [x for x in a.curve_attn.split(",") if x]
     return a
 
 

@@ -68,7 +68,8 @@ def to_token_prompts(tokenizer, rows: list) -> list[list[int]]:
 def run(job: dict) -> dict:
     """job: model, speculative_config|None, groups {name: [rows]}, max_tokens, temperature,
     batch_size, dtype, seed, max_model_len, logprobs(optional), top_k(optional), n(optional),
-    tag_category (requests carry extra_args={"category": group name}), warm (rows served first,
+    tag_category (requests carry extra_args={"category": group name}), cold (no warm-up request
+    at all: the measured prompts are the engine's first), warm (rows served first,
     not measured), warm_batch (serve them this many at a time: the engine gets that many request
     slots, and admits only batch_size at a time after the warm-up)."""
     eng = _Engine(job)
@@ -107,9 +108,10 @@ class _Engine:
         for key in ("top_p", "top_k", "n", "logprobs", "prompt_logprobs"):
             if key in job:
                 sp[key] = job[key]
-        llm.generate([TokensPrompt(prompt_token_ids=tok.encode("Hello"))],
-                     SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
-        if job.get("warm"):     # served first, not measured (state shared across requests warms up)
+        if not job.get("cold"):     # cold: the measured prompts are the engine's first requests
+            llm.generate([TokensPrompt(prompt_token_ids=tok.encode("Hello"))],
+                         SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
+        if job.get("warm") and not job.get("cold"):     # served first, not measured (state shared across requests warms up)
             tag = job.get("tag_category")   # tagged as measured rows are: bandit tables keyed by category warm up
             llm.generate([TokensPrompt(prompt_token_ids=p) for p in to_token_prompts(tok, job["warm"])],
                          [_params(sp, r.get("category") if tag else None) for r in job["warm"]], use_tqdm=False)

@@ -2,7 +2,7 @@
 """The project's one prepared GPU run: the Triton tree-attention kernel check and a
 verification-cost curve, written as JSON into OUT_DIR.
 
-    python scripts/gpu_check.py OUT_DIR                      # on a CUDA GPU (H100: about 6 minutes)
+    python scripts/gpu_check.py OUT_DIR                      # on a CUDA GPU (--budget-s 400 caps it)
     python scripts/gpu_check.py OUT_DIR --quick --interpret  # CPU rehearsal (Triton's interpreter)
 
 Part 1, kernel (OUT_DIR/kernel_check.json): vLLM's Triton `unified_attention` with `qq_bias`,
@@ -19,10 +19,17 @@ tree size.
 
 Part 2, curve (OUT_DIR/cost_curve.json): one decode step of a transformers LlamaForCausalLM
 with Llama-3-8B's shapes and random bf16 weights (built on the GPU), for 1..64 query tokens per
-request, batch 1..64, context 512/2048/8192, chain (causal) vs tree (4-D additive ancestor mask)
-over a preallocated KV cache of random values; CUDA-graph replays where capture works (else eager,
-recorded per cell). A time budget (--budget-s) guards the whole run: cells past it are recorded as
-skipped (batches 1 and 8 come first); cells that do not fit in memory are recorded as such.
+request, batch 1..64, context 512/2048/8192, chain (causal) vs tree (a random tree shape per cell),
+with two attention paths: 'triton' (every layer runs the bundled vLLM unified_attention over a
+paged cache, the tree as qq_bias: the plugin's GPU path) and 'sdpa' (transformers' SDPA with a
+4-D additive mask). Each path first passes a mask sanity check (a tree row equals a chain step
+over its path). CUDA-graph replays where capture works (else eager, recorded per cell). A time
+budget (--budget-s) guards the whole run: cells past it are recorded as skipped (batches 1 and 8
+of both paths come first); cells that do not fit in memory are recorded as such.
+
+Part 0, compile (OUT_DIR/compile_check.json, only where there is no GPU): every kernel variant
+of part 1 compiled for sm_90 with the installed Triton (stand-in driver, Triton's own ptxas),
+with registers / local memory read off the cubins.
 
 vLLM itself is not needed: the kernel comes from the bundle that scripts/gpu_bundle.py builds
 (.gpu_bundle, carried to the GPU machine). docs/gpu.md has the exact device call.
@@ -898,6 +905,7 @@ def register_triton_attention(tua) -> str:
     def vllm_triton_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         import torch
         cache = _TRITON_HOLDER["cache"]
+        _TRITON_HOLDER["calls"] = _TRITON_HOLDER.get("calls", 0) + 1
         B, H, q, D = query.shape
         q2 = query.transpose(1, 2).reshape(B * q, H, D)
         out = torch.empty_like(q2)
@@ -1122,7 +1130,7 @@ def part_curve(args, torch, device, budget: Budget, out_dir: Path, env: dict) ->
         eager_ref = {(a, 1, 2048, q, "chain") for a in attns for q in (1, 8, 64)}
     res["grid"] = {a: dict(zip(("batches", "contexts", "q_lens"), curve_grid(args, a))) for a in attns}
     res["grid_note"] = "q=1: chain only (a 1-row tree is the same step)"
-    use_graph = device.type == "cuda" and args.graphs == "auto"
+    use_graph = {a: device.type == "cuda" and args.graphs == "auto" for a in attns}   # per attention path
     rng = random.Random(1234)
     bar = progress(len(cells), "cost curve")
     cache, cache_key = None, None
@@ -1161,11 +1169,11 @@ def part_curve(args, torch, device, budget: Budget, out_dir: Path, env: dict) ->
                                                 dtype_of[attn])
                 cache.set_step(q, qq_of(m) if kind == "tree" else None)
                 try:
-                    r = time_cell(torch, model, cache, ids, mask, pos, device, median_ms, use_graph, target_s)
+                    r = time_cell(torch, model, cache, ids, mask, pos, device, median_ms, use_graph[attn], target_s)
                 except Exception as e:                             # noqa: BLE001
-                    if not use_graph or "out of memory" in str(e).lower():
+                    if not use_graph[attn] or "out of memory" in str(e).lower():
                         raise
-                    use_graph = False                              # capture failed: eager from here on
+                    use_graph[attn] = False                        # capture failed: eager from here on
                     res["errors"].append({"cell": dict(rec), "graph_capture_failed": f"{type(e).__name__}: {e}",
                                           "traceback": traceback.format_exc()[-3000:]})
                     log(f"CUDA graph capture failed ({type(e).__name__}: {str(e)[:200]}): eager from here on")
@@ -1174,7 +1182,7 @@ def part_curve(args, torch, device, budget: Budget, out_dir: Path, env: dict) ->
                 rec.update(r)
                 rec["status"] = "ok"
                 rec["tokens"] = B * q
-                if (attn, B, ctx, q, kind) in eager_ref and use_graph:
+                if (attn, B, ctx, q, kind) in eager_ref and use_graph[attn]:
                     rec["eager_ms"] = time_cell(torch, model, cache, ids, mask, pos, device, median_ms, False,
                                                 target_s)["ms"]
             except Exception as e:                                 # noqa: BLE001
@@ -1195,6 +1203,7 @@ def part_curve(args, torch, device, budget: Budget, out_dir: Path, env: dict) ->
                 last_write = time.monotonic()
     bar.close()
     del cache, model
+    res["triton_attention_python_calls"] = _TRITON_HOLDER.get("calls", 0)   # (graph replays make none)
     _TRITON_HOLDER.clear()
     st = [c["status"] for c in res["cells"]]
     res["counts"] = {s: st.count(s) for s in sorted(set(st))}

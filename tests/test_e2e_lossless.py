@@ -235,3 +235,29 @@ def test_warm_rows_tagged_like_measured_rows(default_model, heldout_prompts):
     res = run_isolated(_job(default_model, chat, spec, warm=code, tag_category=True, report_plugin_state=True))
     tables = res["plugin_state"][0]["bandit"]["tables"]
     assert "code|1" in tables and sum(tables["code|1"]["pulls"]) > 8, tables.keys()
+
+
+@pytest.fixture(scope="module")
+def plain_compiled(default_model, heldout_prompts):
+    return run_isolated(_job(default_model, heldout_prompts[:4], batch_size=4,
+                             llm_kwargs={}))["groups"]["all"]
+
+
+# vLLM's default compiled mode (what `vllm serve` runs), not enforce_eager: a chain method, a tree
+# method and a model drafter.
+@pytest.mark.parametrize("method", [pytest.param("lookahead", marks=pytest.mark.slow), "lookahead_tree",
+                                    pytest.param("mamba", marks=pytest.mark.slow)])
+def test_greedy_identical_to_plain_compiled(method, default_model, heldout_prompts, plain_compiled):
+    spec = {"lookahead": {"method": "lookahead", "num_speculative_tokens": 4, "goodput": False},
+            "lookahead_tree": {"method": "lookahead", "num_speculative_tokens": 8, "window": 6, "tree": True,
+                               "goodput": False},
+            "mamba": {"method": "mamba", "num_speculative_tokens": 3, "goodput": False,
+                      "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"}}[method]
+    res = run_isolated(_job(default_model, heldout_prompts[:4], spec, 4, llm_kwargs={},
+                            report_plugin_state=True))
+    got = res["groups"]["all"]
+    assert res["compilation_mode"] not in (None, "NONE", 0), res["compilation_mode"]
+    for i, (a, b) in enumerate(zip(got["outputs"], plain_compiled["outputs"])):
+        assert a == b, f"prompt {i}: {method} output differs from plain vLLM in compiled mode"
+    assert got["draft_tokens"] > 0 and 0 < got["accepted"]
+    assert res["plugin_state"][0]["faults"] == {}

@@ -117,7 +117,9 @@ class _Engine:
                          [_params(sp, r.get("category") if tag else None) for r in job["warm"]], use_tqdm=False)
             if slots > batch:   # measured at batch_size: vLLM's admission cap (in-process engine)
                 llm.llm_engine.engine_core.engine_core.scheduler.max_num_active_reqs = batch
-        self.result = {"startup_s": startup, "groups": {}}
+        mode = getattr(getattr(llm.llm_engine, "vllm_config", None), "compilation_config", None)
+        self.result = {"startup_s": startup, "groups": {},
+                       "compilation_mode": getattr(getattr(mode, "mode", None), "name", None)}
 
     def group(self, name: str, rows: list) -> dict:
         from vllm import SamplingParams

@@ -107,6 +107,7 @@ def test_quick_rehearsal(tmp_path, bundle):
     assert cells and all(x["status"] == "ok" and x["ms"] > 0 for x in cells), cells
     assert {x["mask"] for x in cells} == {"chain", "tree"}
     assert {x["attn"] for x in cells} == {"triton", "sdpa"}
+    assert c["triton_attention_python_calls"] > 0
     assert {x["q_len"] for x in cells if x["attn"] == "sdpa"} >= {1, 4, 16}
     for key in ("torch", "timestamp", "git", "device"):
         assert key in c["env"]
@@ -136,3 +137,40 @@ def test_budget_guard_records_skipped_cells(tmp_path, bundle):
     c = json.loads((out / "cost_curve.json").read_text())
     assert c["cells"] and all(x["status"] == "skipped_budget" for x in c["cells"])
     assert c["counts"] == {"skipped_budget": len(c["cells"])}
+
+
+def test_predict_combines_tau_and_step_cost(tmp_path):
+    """scripts/predict.py: speedup = tau * step(1) / (step(1 + L) + draft_ms), from the bench's
+    own --draft-cost table (chain) and --step-cost ratio (trees), or a gpu_check curve."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import predict
+    finally:
+        sys.path.pop(0)
+    bench = {
+        "results": {"plain": {"chat": {"generated_tokens": 64, "accepted": 0, "draft_tokens": 0}},
+                    "lookahead": {"chat": {"generated_tokens": 64, "accepted": 24, "draft_tokens": 120,
+                                           "speedup_vs_plain": 1.3}},
+                    "bandit_tree": {"chat": {"generated_tokens": 64, "accepted": 32, "draft_tokens": 128,
+                                             "speedup_vs_plain": 1.2}}},
+        "config": {"batch_size": 1, "method_configs": {"plain": None, "lookahead": {"method": "lookahead"},
+                                                       "bandit_tree": {"method": "bandit_tree"}}},
+        "draft_cost": {"chat": {"0": {"ms": 10.0}, "2": {"ms": 12.0}, "4": {"ms": 14.0}}},
+        "step_cost": {"chat": {"tree_over_chain": 1.5}}}
+    p = predict.predict(bench, None, "triton", 512, {"lookahead": 1.0})
+    rows = {r["method"]: r for r in p["rows"]}
+    la = rows["lookahead"]                          # tau 64/40 = 1.6, L = 3 -> q 4 -> 13 ms
+    assert la["tau"] == pytest.approx(1.6) and la["step_ms_verify"] == pytest.approx(13.0)
+    assert la["predicted_speedup"] == pytest.approx(1.6 * 10 / 14) and not la["upper_bound"]
+    assert la["implied_draft_ms"] == pytest.approx(1.6 * 10 / 1.3 - 13)
+    bt = rows["bandit_tree"]                        # tau 2, L = 4 -> q 5 -> 14 ms * 1.5 (tree)
+    assert bt["tree_cost_used"] and bt["step_ms_verify"] == pytest.approx(21.0)
+    assert bt["predicted_speedup"] == pytest.approx(2 * 10 / 21) and bt["upper_bound"]
+    curve = {"env": {"device": {"name": "X"}}, "cells": [
+        {"attn": "triton", "batch": 1, "ctx": 512, "q_len": q, "mask": m, "ms": ms, "status": "ok"}
+        for q, m, ms in ((1, "chain", 6.0), (4, "chain", 6.3), (8, "chain", 6.6), (4, "tree", 6.4),
+                         (8, "tree", 6.8))]}
+    g = {r["method"]: r for r in predict.predict(bench, curve, "triton", 512, {})["rows"]}
+    assert g["lookahead"]["predicted_speedup"] == pytest.approx(1.6 * 6.0 / 6.3)
+    assert g["bandit_tree"]["step_ms_verify"] == pytest.approx(6.5)
+    assert "measured_speedup" not in g["lookahead"]

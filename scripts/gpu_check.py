@@ -41,7 +41,6 @@ import datetime as _dt
 import importlib
 import importlib.util
 import json
-import math
 import os
 import platform
 import random
@@ -336,10 +335,9 @@ def kernel_cases(args) -> list[dict]:
             for bs in (16, 32):
                 out.append(dict(dtype=dt, block_size=bs, heads=(32, 8, 128), n_req=14, max_rows=64,
                                 prefixes=(0, 4096), seed=seed * 10 + bs + (dt == "float16")))
-    out += [dict(dtype="bfloat16", block_size=16, heads=(28, 4, 128), n_req=12, max_rows=64, prefixes=(0, 3000), seed=7),
-            dict(dtype="float16", block_size=32, heads=(28, 4, 128), n_req=12, max_rows=64, prefixes=(0, 3000), seed=8),
-            dict(dtype="bfloat16", block_size=32, heads=(16, 16, 64), n_req=12, max_rows=64, prefixes=(0, 3000), seed=9),
-            dict(dtype="float16", block_size=16, heads=(16, 16, 64), n_req=12, max_rows=64, prefixes=(0, 3000), seed=11)]
+    for dt, bs, heads, seed in (("bfloat16", 16, (28, 4, 128), 7), ("float16", 32, (28, 4, 128), 8),
+                                ("bfloat16", 32, (16, 16, 64), 9), ("float16", 16, (16, 16, 64), 11)):
+        out.append(dict(dtype=dt, block_size=bs, heads=heads, n_req=12, max_rows=64, prefixes=(0, 3000), seed=seed))
     return out
 
 
@@ -746,8 +744,8 @@ def part_compile(args, torch, out_dir: Path, env: dict) -> dict:
                 t0 = time.perf_counter()
                 n0 = len(compiled)
                 tua.unified_attention(
-                    q=q, k=kc, v=kc.clone(), out=torch.empty_like(q), cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32),
-                    max_seqlen_q=T, seqused_k=torch.tensor([P + T], dtype=torch.int32), max_seqlen_k=P + T,
+                    q=q, k=kc, v=kc.clone(), out=torch.empty_like(q),
+                    cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32), max_seqlen_q=T, seqused_k=torch.tensor([P + T], dtype=torch.int32), max_seqlen_k=P + T,
                     softmax_scale=D ** -0.5, causal=True, window_size=(-1, -1),
                     block_table=torch.arange(nb, dtype=torch.int32)[None], softcap=0, q_descale=None, k_descale=one,
                     v_descale=one, qq_bias=torch.zeros(T + 16, T) if use_qq else None)
@@ -861,7 +859,8 @@ def make_cache_classes():
 
     class PagedKVCache(_Common):
         def __init__(self, torch, n_layers, B, Hkv, D, ctx, q_max, dtype, device, gen=None, block_size=16):
-            self.torch, self.ctx, self.n_layers, self.B, self.bs, self.device = torch, ctx, n_layers, B, block_size, device
+            self.torch, self.ctx, self.n_layers = torch, ctx, n_layers
+            self.B, self.bs, self.device = B, block_size, device
             nblk = (ctx + q_max + block_size - 1) // block_size
             nb = 1 + B * nblk
             perm = torch.randperm(nb - 1, generator=torch.Generator().manual_seed(ctx * 7 + B)) + 1
@@ -1039,7 +1038,8 @@ def mask_sanity(torch, model, cfg, make_cache, device, dtype, qq_of) -> dict:
     ctx, q = 48, 8
     t = DraftTree([0] * 7, [-1, 0, 0, 1, -1, 4, 2])          # node 6's path: 0, 2, 6 (depth 3)
     cache = make_cache(1, ctx, q)
-    ids = torch.randint(0, cfg.vocab_size, (1, q), device=device, generator=torch.Generator(device=device).manual_seed(7))
+    gen = torch.Generator(device=device).manual_seed(7)
+    ids = torch.randint(0, cfg.vocab_size, (1, q), device=device, generator=gen)
 
     def step(rows_ids, allowed, depths, tree):
         n = allowed.shape[0]

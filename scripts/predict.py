@@ -155,7 +155,8 @@ def print_table(p: dict) -> None:
                 f"{r['draft_ms']:.2f} | {r['predicted_speedup']:.2f}{' (upper bound)' if r['upper_bound'] else ''} |")
         if have_meas:
             m = r.get("measured_speedup")
-            line += (f" {m:.2f} | {r['prediction_error']:+.0%} | {r['implied_draft_ms']:.2f} |" if m else " - | - | - |")
+            line += (f" {m:.2f} | {r['prediction_error']:+.0%} | {r['implied_draft_ms']:.2f} |" if m
+                     else " - | - | - |")
         print(line)
     print("assumptions: " + "; ".join(p["assumptions"]))
 

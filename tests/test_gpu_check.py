@@ -174,3 +174,22 @@ def test_predict_combines_tau_and_step_cost(tmp_path):
     assert g["lookahead"]["predicted_speedup"] == pytest.approx(1.6 * 6.0 / 6.3)
     assert g["bandit_tree"]["step_ms_verify"] == pytest.approx(6.5)
     assert "measured_speedup" not in g["lookahead"]
+
+
+def test_documented_device_call():
+    """docs/gpu.md's device call: under the tool's 2000 characters, runs this script on $OUT,
+    carries the bundle; the rerun variants it names parse."""
+    import re
+    doc = (REPO / "docs" / "gpu.md").read_text()
+    cmd = re.search(r"- `command`:\n  ```\n  (.+)\n  ```", doc).group(1)
+    assert len(cmd) < 2000 and 'python3 scripts/gpu_check.py "$OUT"' in cmd and "pipefail" in cmd
+    assert '`carry`: `[".gpu_bundle"]`' in doc and "`timeout_s`: `480`" in doc
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    a = gpu_check.parse_args(["/tmp/x"])
+    assert a.budget_s + 60 <= 480 and a.parts == ["auto"] and a.curve_attn == ["triton", "sdpa"]
+    for extra in (["--parts", "kernel", "--budget-s", "150"], ["--parts", "curve", "--budget-s", "200"]):
+        gpu_check.parse_args(["/tmp/x", *extra])

@@ -296,8 +296,10 @@ class AlternatingStepTimer(Proposer):
     A step is filed only if the batch is the one that got the proposal, every row decoding (no
     prefill chunk) and, for a drafting kind, every row verifying drafts."""
 
-    def __init__(self, kinds: "dict[str, Proposer | None]"):
+    def __init__(self, kinds: "dict[str, Proposer | None]", clock=None):
+        import time
         super().__init__(max(p.k for p in kinds.values() if p is not None))
+        self.clock = clock or time.perf_counter
         self.kinds = kinds
         self.order = list(kinds)
         self.stats = {f"{name}_step_s": [] for name in self.order}
@@ -314,8 +316,7 @@ class AlternatingStepTimer(Proposer):
                 p.release(req_id)
 
     def propose(self, ctx: StepContext) -> list:
-        import time
-        now = time.perf_counter()
+        now = self.clock()
         for rid in ctx.finished_req_ids | ctx.preempted_req_ids:     # every kind's state, not just the next one's
             self.release(rid)
         if self._last is not None:
@@ -328,7 +329,7 @@ class AlternatingStepTimer(Proposer):
         prop = self.kinds[kind]
         out = [[] for _ in ctx.requests] if prop is None else prop.propose(ctx)
         drafted = prop is None or all(len(d) for d in out)
-        self._last = (time.perf_counter(), kind, [r.req_id for r in ctx.requests]) if drafted else None
+        self._last = (self.clock(), kind, [r.req_id for r in ctx.requests]) if drafted else None
         return out
 
 

@@ -10,7 +10,6 @@ import random
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -353,71 +352,6 @@ def test_mask_shape_must_match_rows(native):
     b = Batch([(10, 4)], H=4, Hkv=2, D=64)
     with pytest.raises(ValueError, match="tree mask"):
         b.tree_attention({0: torch.ones(5, 5, dtype=torch.bool)}, native=native)
-
-
-# ---------------------------------------------------------------------------------------------
-# timing (printed, not asserted)
-# ---------------------------------------------------------------------------------------------
-
-def _time(fn, reps=10, rounds=5):
-    """Best of `rounds` means (the machine is shared): microseconds per call."""
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - t) / reps * 1e6)
-    return best
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_timing_vs_vllm_kernel(dtype, capsys):
-    """Batch 1, seq_len 512, n = 15 nodes, 9 heads / 3 kv heads, head 64."""
-    rnd = random.Random(0)
-    tree = random_tree(rnd, 15)
-    b = Batch([(512 - 16, 16)], H=9, Hkv=3, D=64, dtype=dtype)
-    masks = {0: tree.ancestor_mask()}
-    out = torch.empty_like(b.query)
-    plan = build_tree_plan(b.block_tables, b.seq_lens, b.qsl, masks, BS)
-    md = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=9, num_kv_heads=3, head_dim=64, seq_lens=b.seq_lens, dtype=dtype,
-        query_start_loc=b.qsl, causal=True, sliding_window_size=-1, isa=b.isa, enable_kv_split=False)
-
-    def vllm():
-        ops.cpu_attention_with_kv_cache(
-            query=b.query, key_cache=b.key_cache, value_cache=b.value_cache, output=out,
-            query_start_loc=b.qsl, seq_lens=b.seq_lens, scale=b.scale, causal=True, alibi_slopes=None,
-            sliding_window=-1, block_table=b.block_tables, softcap=0.0, scheduler_metadata=md, s_aux=None)
-
-    native_plan = build_native_plan(b.seq_lens, b.qsl, masks)
-
-    def c_kernel():
-        cpu_tree_attention(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.qsl, masks,
-                           b.scale, out, isa=b.isa, plan=native_plan)
-
-    def tree_with_plan():
-        cpu_tree_attention(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.qsl, masks,
-                           b.scale, out, isa=b.isa, plan=plan)
-
-    def tree_memo():
-        cpu_tree_attention(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.qsl, masks,
-                           b.scale, out, isa=b.isa, native=False)
-
-    def tree_cold():
-        ta._memo.clear()
-        tree_memo()
-
-    def gather():
-        ta._gather_blocks(b.key_cache, b.value_cache, plan.blocks, b.isa)
-
-    res = {name: _time(fn) for name, fn in [("vllm causal kernel", vllm), ("tree, C kernel", c_kernel),
-                                             ("tree, torch path", tree_with_plan),
-                                             ("torch, memoized plan", tree_memo), ("torch, plan rebuilt", tree_cold),
-                                             ("  of which K/V gather", gather)]}
-    with capsys.disabled():
-        print(f"\n[tree attention timing] {dtype} isa={b.isa} threads={torch.get_num_threads()} "
-              + ", ".join(f"{k}: {v:.0f} us" for k, v in res.items()))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,6 +48,22 @@ def test_c_kernel_builds_and_is_the_default(tmp_path):
     assert not native_supported(q.half(), torch.zeros(1, 4, BS, 64).half())   # fp16: torch path
 
 
+def test_native_code_loads_only_from_a_private_folder(tmp_path):
+    """A kernel folder another user could write to is refused before any .so is loaded from it."""
+    import os
+    d = tmp_path / "shared"
+    lib = native_kernel.build(d)
+    os.chmod(d, 0o777)
+    with pytest.raises(RuntimeError, match="writable by group or others"):
+        native_kernel.build(d)
+    os.chmod(d, 0o700)
+    os.chmod(lib, 0o666)
+    with pytest.raises(RuntimeError, match="writable by group or others"):
+        native_kernel.build(d)
+    os.chmod(lib, 0o755)
+    assert native_kernel.build(d) == lib
+
+
 def _isas():
     out = [(torch.float32, attn_isa(torch.float32, BS, 64))]
     out.append((torch.bfloat16, attn_isa(torch.bfloat16, BS, 64)))       # "amx" on AMX CPUs

@@ -59,9 +59,11 @@ def build(out_dir: Path | None = None, source: Path = SRC) -> Path:
     key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), cc.encode(), _cpu_flags().encode()]))
     out_dir = Path(out_dir) if out_dir else cache_root() / "native"
     lib = out_dir / f"{Path(source).stem}-{key.hexdigest()[:16]}.so"
+    out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    check_private(out_dir)
     if lib.exists():
+        check_private(lib)
         return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
@@ -73,6 +75,18 @@ def build(out_dir: Path | None = None, source: Path = SRC) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return lib
+
+
+def check_private(path: Path) -> None:
+    """A library we load runs inside vLLM: its folder and file must be ours and writable by no
+    one else, or another user could swap in code."""
+    st = os.stat(path)
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise RuntimeError(f"{path} is owned by uid {st.st_uid}, not by this user ({os.getuid()}): "
+                           "refusing to load native code from it")
+    if st.st_mode & 0o022:
+        raise RuntimeError(f"{path} is writable by group or others (mode {st.st_mode & 0o777:o}): "
+                           "refusing to load native code from it (chmod go-w, or remove it)")
 
 
 def _load(source: Path, name: str, argtypes, what: str):

@@ -219,6 +219,10 @@ class PluginProposer:
             self.impl.sync = _broadcast_from_rank0
         self.trees: dict = {}     # req_id -> DraftTree proposed last step (verified next step)
         self.faults = StepFaults(params["method"])
+        from vllm_spec_plugins._compat import uses_trees
+        if uses_trees(params):         # build the tree-attention kernel now, not inside a serving step
+            from vllm_spec_plugins import native
+            native.library()
         self._reset: set[str] = set()   # requests whose proposer state a fault left unknown
         logger.info("vllm-spec-plugins: %s proposer with %s", params["method"], params)
 

@@ -46,6 +46,9 @@ class RequestStep:
     hidden_states: "torch.Tensor | None" = None
     # Greedy decoding (temperature 0): `sampled` is the target's argmax along the accepted path.
     greedy: bool = False
+    # Who may see this request's text in shared state (vLLM's per-tenant `cache_salt`); None: the
+    # default tenant. State shared across requests is kept apart per tenant.
+    tenant: str | None = None
 
     @property
     def num_accepted(self) -> int:

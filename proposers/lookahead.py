@@ -115,20 +115,21 @@ class SharedPool:
     repeat its phrasing across requests (SmolLM2-135M, b1, after 64 warm-up requests: tau 1.55 ->
     1.72 on chat, 1.62 -> 2.09 on code; README). Bounded: at most `cap`
     contexts (least recently extended goes first), `per_key` next tokens each (the least
-    counted goes, ties: the oldest). Text of one request is visible to drafts of another: a
-    speed side channel between tenants, like a shared prefix cache; `shared_pool: 0` turns it off."""
+    counted goes, ties: the oldest). Contexts are keyed by tenant (vLLM's `cache_salt`): text of
+    one request shapes the drafts of requests of its own tenant only (never the output; the speed,
+    as a shared prefix cache does). `shared_pool: 0` turns it off."""
 
     def __init__(self, n: int, cap: int, per_key: int = 4):
         self.n, self.cap, self.per_key = n, cap, per_key
         self._tab: OrderedDict[tuple, dict[int, int]] = OrderedDict()
 
-    def add(self, seg: list[int], start: int) -> None:
+    def add(self, seg: list[int], start: int, tenant: str | None = None) -> None:
         """Tokens seg[start:] are new (seg holds up to n-1 tokens of context before them)."""
-        tab, per_key = self._tab, self.per_key
+        tab, per_key, pre = self._tab, self.per_key, (() if tenant is None else (tenant,))
         for i in range(max(start, 1), len(seg)):
             x = seg[i]
             for m in range(1, min(self.n - 1, i) + 1):
-                key = tuple(seg[i - m:i])
+                key = pre + tuple(seg[i - m:i])
                 d = tab.get(key)
                 if d is None:
                     d = tab[key] = {}
@@ -140,10 +141,12 @@ class SharedPool:
         while len(tab) > self.cap:
             tab.popitem(last=False)
 
-    def next(self, ctx: list[int], lo: int, hi: int) -> int | None:
-        """The most counted next token after the longest suffix of ctx (hi..lo tokens) seen."""
+    def next(self, ctx: list[int], lo: int, hi: int, tenant: str | None = None) -> int | None:
+        """The most counted next token after the longest suffix of ctx (hi..lo tokens) seen, in
+        the text of `tenant`'s requests."""
+        pre = () if tenant is None else (tenant,)
         for m in range(min(hi, self.n - 1, len(ctx)), lo - 1, -1):
-            d = self._tab.get(tuple(ctx[-m:]))
+            d = self._tab.get(pre + tuple(ctx[-m:]))
             if d:
                 return max(reversed(d), key=d.__getitem__)   # ties: the latest added
         return None
@@ -159,9 +162,10 @@ class SharedPool:
 
 class _State:
     __slots__ = ("pool", "index", "seen", "window", "start", "levels", "rng", "lpath", "proposed", "tries",
-                 "hits", "touched", "step")
+                 "hits", "touched", "step", "tenant")
 
-    def __init__(self, p: "LookaheadProposer"):
+    def __init__(self, p: "LookaheadProposer", tenant: str | None = None):
+        self.tenant = tenant      # the shared pool's key: drafts see only their tenant's text
         self.pool = NGramPool(p.ngram, p.pool_cap, p.guesses)
         self.index: OrderedDict[tuple, int] = OrderedDict()  # prompt lookup: n-gram -> next pos
         self.seen = 0             # tokens of token_ids already indexed
@@ -232,7 +236,7 @@ class LookaheadProposer(Proposer):
     _FED_CAP = 8192
 
     def new_state(self, req: RequestStep) -> _State:
-        return _State(self)
+        return _State(self, req.tenant)
 
     def propose(self, ctx: StepContext) -> list:
         """A step with no draft budget (back-off, goodput, vLLM's schedule) skips the per-request
@@ -322,7 +326,7 @@ class LookaheadProposer(Proposer):
         if self.shared is not None:
             fed = self._fed.pop(req_id, 0)
             if fed < L:
-                self.shared.add(seg, max(st.seen, fed, 1) - s0)
+                self.shared.add(seg, max(st.seen, fed, 1) - s0, st.tenant)
             self._fed[req_id] = max(fed, L)
             if len(self._fed) > self._FED_CAP:
                 self._fed.popitem(last=False)
@@ -396,12 +400,12 @@ class LookaheadProposer(Proposer):
         ext = self._lookup(st, t, ctx, r, max(self.pl_min, 2))  # text match with >= 2 tokens of context
         src, shared = 0, self.shared
         if not ext:
-            x = shared.next(ctx, 2, len(ctx)) if shared is not None else None
+            x = shared.next(ctx, 2, len(ctx), st.tenant) if shared is not None else None
             if x is not None:
                 ext, src = [x], 4
             elif grams := st.pool.get(ctx[-1]):  # Jacobi/text n-grams: most recent wins
                 ext, src = list(grams[-1][1:r + 1]), 1
-            elif shared is not None and (x := shared.next(ctx, 1, 1)) is not None:
+            elif shared is not None and (x := shared.next(ctx, 1, 1, st.tenant)) is not None:
                 ext, src = [x], 4
             elif self.pl_min == 1:
                 ext, src = self._lookup(st, t, ctx, r, 1), 2

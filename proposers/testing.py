@@ -62,10 +62,13 @@ class ToyEngine:
         self._finished: set[str] = set()
         self._preempted: set[str] = set()
         self.tags: dict[str, dict | None] = {}
+        self.tenants: dict[str, str | None] = {}
 
-    def add(self, req_id: str, prompt: Sequence[int], max_tokens: int, tags: dict | None = None) -> None:
+    def add(self, req_id: str, prompt: Sequence[int], max_tokens: int, tags: dict | None = None,
+            tenant: str | None = None) -> None:
         assert prompt and max_tokens >= 1 and req_id not in self.reqs
         self.tags[req_id] = tags
+        self.tenants[req_id] = tenant
         p = [int(x) for x in prompt]
         buf = np.empty(len(p) + max_tokens + 1, np.int64)
         buf[:len(p)] = p
@@ -133,7 +136,8 @@ class ToyEngine:
             view = r.buf[:n]
             view.flags.writeable = False
             rows.append(RequestStep(rid, view, sampled, list(drafts), argmax if self.collect_argmax else None,
-                                    parents, accepted_nodes, self._tree_ok(rid), self.tags.get(rid), greedy=True))
+                                    parents, accepted_nodes, self._tree_ok(rid), self.tags.get(rid), greedy=True,
+                                    tenant=self.tenants.get(rid)))
         ctx = StepContext(rows, self._finished, self._preempted, self.k)
         self._finished, self._preempted = set(), set()
         out = self.proposer.propose(ctx)

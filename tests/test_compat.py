@@ -203,3 +203,18 @@ def test_refusal_reaches_the_user_through_engine_args(tiny_model, monkeypatch):
                     speculative_config={"method": "lookahead"})
     with pytest.raises(ValueError, match="verified on vLLM's CPU backend only"):
         ea.create_speculative_config(ea.create_model_config(), None)
+
+
+def test_requests_carry_their_tenant_to_the_worker():
+    """The worker sees no cache_salt: the engine core puts a digest of it into extra_args, where
+    the proposer reads it as RequestStep.tenant (lookahead's shared pool keys by it)."""
+    import vllm_spec_plugins
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+    vllm_spec_plugins.register()
+    a = Request("a", [1, 2], SamplingParams(extra_args={"category": "chat"}), None, cache_salt="tenant-1")
+    b = Request("b", [1, 2], SamplingParams(), None, cache_salt="tenant-2")
+    c = Request("c", [1, 2], SamplingParams(), None)
+    ta, tb = (r.sampling_params.extra_args[_compat.TENANT_KEY] for r in (a, b))
+    assert ta != tb and "tenant-1" not in ta and a.sampling_params.extra_args["category"] == "chat"
+    assert _compat.TENANT_KEY not in (c.sampling_params.extra_args or {})

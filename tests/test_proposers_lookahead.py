@@ -125,6 +125,31 @@ def test_shared_pool_carries_text_across_requests():
     assert taus[0] < 1.5 and taus[4096] > 4.0
 
 
+def test_shared_pool_keeps_tenants_apart():
+    """Requests with another `cache_salt` (tenant) never draft from a's text: b of tenant "y" drafts
+    as with no shared pool; b of a's tenant "x" drafts a's text. Output == greedy in every case."""
+    V = 997
+    f = lambda t: (3 * t[-1] + 7 * t[-2] + 11) % V
+    a = greedy(f, [1, 2, 3], 400)
+
+    def run(cap, tenant_a, tenant_b):
+        p = LookaheadProposer(8, ngram=4, shared_pool=cap, vocab_size=V)
+        for rid, prompt, n, tenant in (("a", [1, 2, 3], 400, tenant_a), ("b", a[100:103], 200, tenant_b)):
+            eng = ToyEngine(p, f, vocab_size=V)
+            eng.add(rid, prompt, n, tenant=tenant)
+            while eng.reqs:
+                eng.step()
+            eng.flush()
+            assert eng.done[rid].out == greedy(f, prompt, n)
+        return tau(eng.done["b"].out, eng.done["b"].steps), p
+    alone, _ = run(0, "x", "y")
+    other, p = run(4096, "x", "y")
+    same, _ = run(4096, "x", "x")
+    default_tenant, _ = run(4096, None, None)
+    assert other == alone < 1.5 and same > 4.0 and default_tenant > 4.0
+    assert {k[0] for k in p.shared._tab} == {"x", "y"}      # every context keyed by its tenant
+
+
 def test_shared_pool_takes_a_preempted_requests_text_once():
     """A preempted request resumes with a fresh per-request state; the shared pool must not count
     its text again: the table after a run with two preemptions == the table after one without."""

@@ -96,6 +96,9 @@ SYMBOLS: dict[str, dict[str, tuple[str, ...]]] = {
         "SchedulerOutput.num_spec_tokens_to_schedule": (),
         "SchedulerOutput.total_num_scheduled_tokens": (),
     },
+    "vllm.v1.request": {
+        "Request.__init__": ("self",), "Request.cache_salt": (), "Request.sampling_params": (),
+    },
     "vllm.v1.core.sched.scheduler": {
         "Scheduler.max_num_active_reqs": (),
     },
@@ -360,6 +363,7 @@ def apply_patches() -> None:
         _patch_runner()
         _patch_cpu_attention()
         _patch_cpu_expand()
+        _patch_request_tenant()
     except BaseException:
         _undo(mark)
         raise
@@ -386,6 +390,33 @@ def _patch_cpu_expand() -> None:
         return
     from vllm.v1.sample import rejection_sampler
     _set(rejection_sampler, "expand_batch_to_tokens", expand_batch_to_tokens)
+
+
+# SamplingParams.extra_args key carrying a request's tenant (a digest of its cache_salt) to the worker
+TENANT_KEY = "vllm_spec_plugins_tenant"
+
+
+def tenant_of(salt: str | None) -> str | None:
+    import hashlib
+    return hashlib.sha256(salt.encode()).hexdigest()[:16] if salt else None
+
+
+def _patch_request_tenant() -> None:
+    """The worker never sees a request's `cache_salt` (vLLM's per-tenant key of its prefix cache),
+    and our shared n-gram table must keep tenants apart by it: the engine core copies a digest of
+    it into the request's `SamplingParams.extra_args`, which the worker receives."""
+    from vllm.v1.request import Request
+
+    orig_init = Request.__init__
+
+    @functools.wraps(orig_init)
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        sp = getattr(self, "sampling_params", None)
+        if self.cache_salt and sp is not None:
+            sp.extra_args = {**(sp.extra_args or {}), TENANT_KEY: tenant_of(self.cache_salt)}
+
+    _set(Request, "__init__", __init__)
 
 
 def _patch_cpu_attention() -> None:

@@ -34,7 +34,9 @@ METHODS: dict[str, dict[str, Key]] = {
         "guesses": Key(7, 1, 64, int, "G: max n-gram candidates kept per key token"),
         "pool_cap": Key(4096, 16, 1 << 20, int, "max n-grams per request (LRU eviction)"),
         "shared_pool": Key(65536, 0, 1 << 22, int, "contexts kept in the n-gram table shared by all requests "
-                           "(every request's prompt and output; LRU); 0 = off (each request drafts from its own text only)"),
+                           "(every request's prompt and output; LRU), kept apart per tenant: requests with "
+                           "another cache_salt never draft from each other's text; 0 = off (each request "
+                           "drafts from its own text only)"),
         "prompt_lookup_min": Key(1, 1, 16, int, "prompt-lookup fallback: min match length"),
         "prompt_lookup_max": Key(3, 1, 16, int, "prompt-lookup fallback: max match length"),
         "tree": Key(False, kind=bool, help="full form: verify pool candidates + Jacobi window as one tree"),

@@ -8,6 +8,7 @@ from collections import Counter
 
 import numpy as np
 
+from vllm_spec_plugins._compat import TENANT_KEY
 from vllm_spec_plugins.config import ADDITIONAL_KEY
 from vllm_spec_plugins.proposers.base import Proposer, RequestStep, StepContext
 
@@ -323,7 +324,8 @@ class PluginProposer:
                                     drafts, am, parents, accepted, eligible,
                                     getattr(sp, "extra_args", None),
                                     hidden[i] if hidden is not None and i < len(hidden) else None,
-                                    float(batch.temperature_cpu[i]) < 1e-5))
+                                    float(batch.temperature_cpu[i]) < 1e-5,
+                                    (getattr(sp, "extra_args", None) or {}).get(TENANT_KEY)))
         finished = set(scheduler_output.finished_req_ids)
         preempted = set(scheduler_output.preempted_req_ids or ())
         for rid in finished | preempted:

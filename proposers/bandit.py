@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 from .base import RequestStep, StepContext
 from .cost import StepCost, attended, batch_bucket, continues
@@ -222,7 +222,9 @@ class BanditTreeProposer(LookaheadProposer):
         self._allowed: dict[int, list[int]] = {}
         self.none_arm = self.shapes.index(()) if () in self.shapes else None
         self.subsets: dict[str, tuple] = {}   # req id -> (nodes, is chain, {arm: node set}) drafted last step
-        self.tables: dict[tuple, DiscountedUCB] = {}
+        # (traffic key, batch bucket) -> bandit; least recently used first. `field:NAME` keys come
+        # from request fields a client chooses: at most MAX_TABLES are kept.
+        self.tables: OrderedDict[tuple, DiscountedUCB] = OrderedDict()
         self.pending: dict[tuple, tuple[int, list[str]]] = {}   # context -> (arm, request ids) of last step
         self.last_start: float | None = None
         self._ids: set = set()                   # request ids of the last step (`continues`)
@@ -281,14 +283,18 @@ class BanditTreeProposer(LookaheadProposer):
             a = self._allowed[bucket] = a
         return a
 
+    MAX_TABLES = 1024
+
     def table(self, ctx: tuple) -> DiscountedUCB:
         t = self.tables.get(ctx)
-        if t is None:
-            t = self.tables[ctx] = DiscountedUCB(len(self.shapes), self.exploration, self.discount)
-            near = min((c for c in self.tables if c[0] == ctx[0] and c != ctx),
-                       key=lambda c: abs(c[1].bit_length() - ctx[1].bit_length()), default=None)
-            if near is not None:
-                t.seed(self.tables[near])
+        if t is not None:
+            self.tables.move_to_end(ctx)
+            return t
+        t = self.tables[ctx] = DiscountedUCB(len(self.shapes), self.exploration, self.discount)
+        near = min((c for c in self.tables if c[0] == ctx[0] and c != ctx),
+                   key=lambda c: abs(c[1].bit_length() - ctx[1].bit_length()), default=None)
+        if near is not None:
+            t.seed(self.tables[near])
         return t
 
     def price(self, n: int) -> list[float]:
@@ -327,6 +333,8 @@ class BanditTreeProposer(LookaheadProposer):
             if not self.pending or self._reward(live, seconds, timing):
                 self.cost.observe(tokens, seconds, drafts, rows, kv)
         self.pending, self.subsets = {}, {}
+        while len(self.tables) > self.MAX_TABLES:      # rewards are in: the least recently used go
+            self.tables.popitem(last=False)
         bucket = batch_bucket(len(live))
         keys = sorted({self.key_of(r) for r in live})
         if live:

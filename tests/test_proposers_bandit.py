@@ -296,6 +296,23 @@ def test_scopes_keep_separate_tables_and_free_per_request_state():
     assert p.tables == {} and p.states == {} and p.pending == {}
 
 
+def test_field_scope_tables_are_bounded(monkeypatch):
+    """`field:NAME` keys come from what clients send: one request per distinct value keeps at most
+    MAX_TABLES tables (plus those of one step's keys), the least recently used going first."""
+    monkeypatch.setattr(BanditTreeProposer, "MAX_TABLES", 4)
+    f = pair_table_target(50, 2, 0.1)
+    prompts = [np.random.default_rng(s).integers(0, 50, 16).tolist() for s in range(10)]
+    clock = CostClock(1.0, 0.05)
+    p = BanditTreeProposer(8, clock=clock, scope="field:user", vocab_size=50)
+    run_bandit(p, clock, f, prompts, 20, tags=[{"user": f"u{i}"} for i in range(10)])
+    sizes = []
+    orig = p.propose
+    p.propose = lambda ctx: sizes.append(len(p.tables)) or orig(ctx)
+    run_bandit(p, clock, f, prompts[:1], 20, tags=[{"user": "u10"}])
+    assert max(sizes) <= 4 + 1 and "u10" in {k for k, _ in p.tables}   # + the one key a step adds
+    assert "u0" not in {k for k, _ in p.tables}
+
+
 @pytest.mark.parametrize("kwargs", [dict(node_budget=20), dict(shapes=[[0, 1]]), dict(shapes=[[8, 8, 8]]),
                                     dict(scope="field:"), dict(discount=0.0), dict(max_depth=17)])
 def test_validation(kwargs):

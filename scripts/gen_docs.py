@@ -103,12 +103,12 @@ def render_keys(methods=None, passthrough=None) -> str:
 
 # ------------------------------------------------------------------ benchmark results
 _DEFAULT_ARGS = {   # scripts/bench.py's argparse defaults: left out of a reconstructed command
-    "model": None, "methods": "plain,ngram,lookahead", "method_config": [], "prompts": None,
-    "n_per_category": 6, "categories": "chat,code,summarize", "max_tokens": 64, "temperature": 0.0,
+    "model": None, "methods": "plain,ngram,suffix,lookahead", "method_config": [], "prompts": None,
+    "n_per_category": 6, "categories": None, "max_tokens": 64, "temperature": 0.0,
     "batch_size": 1, "dtype": "float32", "threads": 2, "max_model_len": 4096, "eager": False,
     "seed": 0, "json": "bench.json", "plot": None, "sweep": [], "warm": 0, "warm_batch": 0,
     "interleave": 0, "repeats": 1, "step_cost": 0, "draft_cost": "", "omp_wait_policy": "",
-    "no_plain_rerun": False,
+    "no_plain_rerun": False, "cold": False, "fixed_budget": False,
 }
 _SIMD = ("avx", "amx", "fma", "f16c", "sse4", "neon", "asimd", "sve", "vsx", "rvv")
 
@@ -191,6 +191,14 @@ def _prompts(cfg: dict) -> str:
 
 
 def _warm(cfg: dict) -> str:
+    conditions = cfg.get("conditions") or []
+    if "cold" in conditions and "warm" in conditions:
+        b = cfg.get("warm_batch") or cfg.get("batch_size")
+        return (f"**cold and warm**: rows without a suffix are cold (each engine measured from its first "
+                f"request); `(warm)` rows come from engines that first served {cfg['warm']} training "
+                f"prompts per category (batch {b}), not measured")
+    if cfg.get("cold") or conditions == ["cold"]:
+        return "**cold**: no warm-up, each engine measured from its first request"
     if cfg.get("warm"):
         b = cfg.get("warm_batch") or cfg.get("batch_size")
         return (f"**warm**: each engine first served {cfg['warm']} training prompts per category "

@@ -53,12 +53,14 @@ def test_oracle_tree_accepts_true_branch(batch_size, n_prompts, kv_blocks, defau
     _check(got, plain, n_prompts)
     if kv_blocks:
         assert got["preemptions"] > 0, "the small KV cache did not force a preemption"
-    # every drafting step accepted exactly the hidden branch: depth 1..DEPTH always, deeper never
-    per_pos = got["accepted_per_pos"]
-    assert got["drafts"] > 0
-    assert per_pos[:DEPTH] == [got["drafts"]] * DEPTH, per_pos
+    # every drafting step accepted exactly the hidden branch: depth 1..DEPTH always, deeper never;
+    # except a request's last drafting steps, whose trees are cut to the tokens it may still make
+    # (max_tokens), at most DEPTH of them per request
+    per_pos, drafts = got["accepted_per_pos"], got["drafts"]
+    assert drafts > n_prompts * DEPTH, drafts
+    assert all(drafts - n_prompts * DEPTH <= n <= drafts for n in per_pos[:DEPTH]), per_pos
     assert sum(per_pos[DEPTH:]) == 0, per_pos
-    assert got["draft_tokens"] == NODES * got["drafts"]
+    assert NODES * (drafts - n_prompts * DEPTH) <= got["draft_tokens"] <= NODES * drafts
     for worker in res["plugin_state"]:
         assert worker["requests"] <= 1
 

@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from vllm_spec_plugins.proposers.base import Proposer, ngram_lookup
+from vllm_spec_plugins.proposers.base import Proposer, RequestStep, ngram_lookup
 from vllm_spec_plugins.proposers.lookahead import LookaheadProposer, NGramPool, SharedPool
 from vllm_spec_plugins.proposers.testing import (AdversarialProposer, OracleProposer, ToyEngine, greedy,
                                                   simulate)
@@ -201,7 +201,7 @@ def test_incremental_prompt_lookup_matches_ngram_lookup():
     rng = np.random.default_rng(0)
     t = rng.integers(0, 6, 400)
     p = LookaheadProposer(5)
-    st = p.new_state(None)
+    st = p.new_state(RequestStep("r", t[:1], [], []))
     for L in range(2, len(t)):
         p._index_text(st, t[:L], "r")
         got = p._lookup(st, t[:L], t[max(L - 3, 0):L].tolist(), 5, 1)

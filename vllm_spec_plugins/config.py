@@ -23,7 +23,9 @@ class Key:
     help: str = ""
 
 
-K = Key(None, 1, 64, int, "drafts verified per request per step")
+GOODPUT = Key(True, kind=bool, help="per step, keep only the draft tokens whose learned chance of acceptance "
+              "pays for their measured verification cost, over the whole batch; draft nothing while drafting "
+              "does not pay (false: always draft num_speculative_tokens)")
 
 # method -> {key: Key}. `num_speculative_tokens` is vLLM's own key; the rest are ours.
 METHODS: dict[str, dict[str, Key]] = {
@@ -41,7 +43,7 @@ METHODS: dict[str, dict[str, Key]] = {
         "prompt_lookup_max": Key(3, 1, 16, int, "prompt-lookup fallback: max match length"),
         "tree": Key(False, kind=bool, help="full form: verify pool candidates + Jacobi window as one tree"),
         "tree_nodes": Key(0, 0, 64, int, "tree node budget (0 = num_speculative_tokens)"),
-        "goodput": Key(True, kind=bool, help="per step, keep only the draft tokens whose learned chance of acceptance pays for their measured verification cost, over the whole batch; draft nothing while drafting does not pay (false: always draft num_speculative_tokens)"),
+        "goodput": GOODPUT,
     },
     "bandit_tree": {
         "num_speculative_tokens": Key(16, 1, 64, int, "draft tokens the scheduler reserves per request (>= node_budget)"),
@@ -71,7 +73,7 @@ METHODS: dict[str, dict[str, Key]] = {
         "num_speculative_tokens": Key(4, 1, 16, int, "draft chain length (k)"),
         "model": Key(None, kind=str, help="Mamba drafter folder made by `python -m vllm_spec_plugins.drafters "
                      "--drafter mamba`, or 'vllm_spec_plugins:smollm2-135m-instruct-mamba' (shipped)"),
-        "goodput": Key(True, kind=bool, help="per step, keep only the draft tokens whose learned chance of acceptance pays for their measured verification cost, over the whole batch; draft nothing while drafting does not pay (false: always draft num_speculative_tokens)"),
+        "goodput": GOODPUT,
     },
     "cascade": {
         "num_speculative_tokens": Key(8, 1, 16, int, "max drafts handed to the target per step"),
@@ -87,7 +89,7 @@ METHODS: dict[str, dict[str, Key]] = {
         "prompt_lookup_max": Key(3, 1, 16, int, "n-gram level: max match length"),
         "shared_pool": Key(65536, 0, 1 << 22, int, "'lookahead' level: contexts kept in the n-gram table shared "
                            "by all requests (0 = off)"),
-        "goodput": Key(True, kind=bool, help="per step, keep only the draft tokens whose learned chance of acceptance pays for their measured verification cost, over the whole batch; draft nothing while drafting does not pay (false: always draft num_speculative_tokens)"),
+        "goodput": GOODPUT,
     },
     # Test proposers: drafts from a reference file {prompt ids -> plain greedy output ids}.
     "oracle": {
@@ -190,6 +192,8 @@ def validate(spec: dict) -> dict:
             raise ValueError(f"speculative_config.{name}={v} is out of range for method {method!r}: "
                              f"allowed {key.lo}..{key.hi} ({key.help})")
         out[name] = v
+    if "prompt_lookup_min" in out and out["prompt_lookup_min"] > out["prompt_lookup_max"]:
+        raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
     if method == "lookahead":
         out["window"] = out["window"] or out["num_speculative_tokens"]
         out["tree_nodes"] = out["tree_nodes"] or out["num_speculative_tokens"]
@@ -202,8 +206,6 @@ def validate(spec: dict) -> dict:
         if out["ngram"] > out["num_speculative_tokens"] + 1:
             raise ValueError(f"speculative_config.ngram={out['ngram']} must be <= "
                              f"num_speculative_tokens + 1 = {out['num_speculative_tokens'] + 1}")
-        if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
-            raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
     if method == "bandit_tree":
         _check_bandit(out)
     if method in ("oracle", "adversarial") and out["tree_nodes"] and not out["tree_depth"] <= out["tree_nodes"] <= out["num_speculative_tokens"]:
@@ -222,8 +224,6 @@ def validate(spec: dict) -> dict:
             raise ValueError(f"speculative_config.levels={out['levels']!r}: this release runs the cascades "
                              "['ngram', 'mamba'] and ['lookahead', 'mamba'] (a model-free level drafts for "
                              "the Mamba drafter, which drafts for the target)")
-        if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
-            raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
         _check_ssm_drafter(out["model"], method)
     if out.get("references"):
         _check_readable(out["references"], "references")
@@ -263,8 +263,6 @@ def _check_bandit(out: dict) -> None:
         raise ValueError(f"speculative_config.window={out['window']} must be <= num_speculative_tokens={k}")
     if out["ngram"] > k + 1:
         raise ValueError(f"speculative_config.ngram={out['ngram']} must be <= num_speculative_tokens + 1 = {k + 1}")
-    if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
-        raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
 
 
 def _check_ssm_drafter(path: str, method: str = "mamba") -> None:

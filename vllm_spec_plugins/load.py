@@ -22,6 +22,8 @@ import threading
 import time
 from pathlib import Path
 
+from vllm_spec_plugins.runner import tau_of
+
 METHODS = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
@@ -271,9 +273,10 @@ def plugin_state(base: str) -> list[dict]:
 
 def spec_counters(base: str) -> dict:
     """vllm:spec_decode_* counters summed over engines: drafts, draft tokens, accepted, per position."""
-    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "preemptions": 0.0, "per_pos": {}}
-    names = {"vllm:num_preemptions_total": "preemptions","vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
+    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "preemptions": 0.0, "generated": 0.0, "per_pos": {}}
+    names = {"vllm:num_preemptions_total": "preemptions", "vllm:spec_decode_num_drafts_total": "drafts",
+             "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens_total": "accepted", "vllm:generation_tokens_total": "generated"}
     for line in _get(base + "/metrics").splitlines():
         if line.startswith("#"):
             continue
@@ -337,7 +340,8 @@ def run_method(name: str, spec, model: str, reqs: list[dict], a, workdir: Path) 
             "wall_s": wall, "output_tokens": sum(r["tokens"] for r in done),
             "tok_per_s": sum(r["tokens"] for r in done) / wall, "req_per_s": len(done) / wall,
             "latency_p50": _pct(lat, .5), "latency_p90": _pct(lat, .9), "latency_p99": _pct(lat, .99),
-            "tau": 1 + acc / drafts if drafts else None, "per_position_acceptance": per_pos,
+            "tau": tau_of(c1["generated"] - c0["generated"], acc) if drafts else None,
+            "per_position_acceptance": per_pos,
             "seeded_repeat_mismatches": repeat_bad, "seeded_repeat_diffs": repeat_diff[:5], "preemptions": c1["preemptions"] - c0["preemptions"], "server_alive": alive,
             "plugin_state_before": base_state, "plugin_state_after": state,
             "plugin_bytes_before": _state_bytes(base_state), "plugin_bytes_after": _state_bytes(state), "results": res}

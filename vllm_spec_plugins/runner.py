@@ -191,10 +191,17 @@ def merge_groups(a: dict, b: dict) -> dict:
     return _with_rates(out)
 
 
+def tau_of(generated: float, accepted: float) -> float:
+    """Tokens per target step: each step of a request makes its accepted drafts + 1 tokens, so the
+    steps are the generated tokens less the accepted drafts (the benchmark and the load tables)."""
+    steps = generated - accepted
+    return generated / steps if steps else 0.0
+
+
 def _with_rates(g: dict) -> dict:
-    """tokens_per_s and tau of a group from its counts (each target step yields accepted drafts + 1)."""
-    n, steps = g["generated_tokens"], g["generated_tokens"] - g["accepted"]
-    return g | {"tokens_per_s": n / g["seconds"] if g["seconds"] else 0.0, "tau": n / steps if steps else 0.0}
+    """tokens_per_s and tau of a group from its counts."""
+    n = g["generated_tokens"]
+    return g | {"tokens_per_s": n / g["seconds"] if g["seconds"] else 0.0, "tau": tau_of(n, g["accepted"])}
 
 
 def _generate_with_aborts(llm, prompts, params, after_steps: int, indices: list[int]):

@@ -261,3 +261,15 @@ def test_greedy_identical_to_plain_compiled(method, default_model, heldout_promp
         assert a == b, f"prompt {i}: {method} output differs from plain vLLM in compiled mode"
     assert got["draft_tokens"] > 0 and 0 < got["accepted"]
     assert res["plugin_state"][0]["faults"] == {}
+
+
+def test_drafts_never_pass_max_tokens(default_model, heldout_prompts, plain, references):
+    """Oracle drafts (always accepted) of up to 8 tokens, requests of max_tokens 5: after the
+    prefill's token a request may make 4 more, so its one drafting step gets 3 drafts (3 accepted
+    + the bonus token), never 8 that vLLM would verify and then discard."""
+    prompts = heldout_prompts[:4]
+    spec = {"method": "oracle", "num_speculative_tokens": 8, "references": references}
+    got = run_isolated(_job(default_model, prompts, spec, 4, max_tokens=5))["groups"]["all"]
+    assert got["outputs"] == [[o[0][:5]] for o in plain["outputs"][:4]]
+    assert got["drafts"] == len(prompts) and got["draft_tokens"] == 3 * len(prompts), got
+    assert got["accepted"] == got["draft_tokens"]

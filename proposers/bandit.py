@@ -20,11 +20,11 @@ drafting included), times the arm's own mean
 ratio of measured to predicted seconds, predicted by the model as fitted now (what the linear
 model misses: a tree step's mask, a wide tree's drafting). Why not each arm's mean raw step
 time: under continuous traffic every step also runs prefill work whose size has nothing to do
-with the arm, and at batch 32 that noise swamped the drafts' own cost (raw per-arm means kept
-choosing chains that lost 4-17% to plain in the load runs); the fit explains the prefill tokens, every step informs it, and an
-arm is priced at any batch size. The context term matters as much: one table sees every kind of
-traffic of its bucket, and without it an arm pulled during long-context steps (summaries) carried
-their cost into short-context ones (code at batch 16: 0.85x plain, drafting where it lost). Why UCB, discounted:
+with the arm, and at large batches that noise swamps the drafts' own cost; the fit explains the
+prefill tokens, every step informs it, and an arm is priced at any batch size. The context term
+matters as much: one table sees every kind of traffic of its bucket, and without it an arm pulled
+during long-context steps (summaries) carries their cost into short-context ones. Why UCB,
+discounted:
 * tokens per step are a small noisy count with no convenient conjugate model for the ratio
   Thompson sampling would need, while UCB only needs a scale (the best arm's value here);
 * the best shape drifts with the text (a code block, then prose) and across requests; a

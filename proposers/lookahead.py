@@ -112,8 +112,7 @@ class SharedPool:
     """The text of every request (prompts and outputs, all verified tokens), shared across
     requests: context of 1..`n`-1 tokens -> how often each next token followed it. The chain
     form's fallback when the request's own text has no >= 2-token match: answers of one model
-    repeat its phrasing across requests (SmolLM2-135M, b1, after 64 warm-up requests: tau 1.55 ->
-    1.72 on chat, 1.62 -> 2.09 on code; README). Bounded: at most `cap`
+    repeat its phrasing across requests. Bounded: at most `cap`
     contexts (least recently extended goes first), `per_key` next tokens each (the least
     counted goes, ties: the oldest). Contexts are keyed by tenant (vLLM's `cache_salt`): text of
     one request shapes the drafts of requests of its own tenant only (never the output; the speed,

@@ -176,11 +176,8 @@ def _request_rows(n_rows: int, spec_decode_metadata) -> list[tuple[int, int]]:
     drafts + 1, or one row each without speculative metadata."""
     if spec_decode_metadata is None:
         return [(i, i + 1) for i in range(n_rows)]
-    out, pos = [], 0
-    for n in spec_decode_metadata.num_draft_tokens:
-        out.append((pos, pos + n + 1))
-        pos += n + 1
-    return out
+    from vllm_spec_plugins.tree_step import row_starts
+    return [(a, a + n + 1) for a, n in zip(row_starts(spec_decode_metadata), spec_decode_metadata.num_draft_tokens)]
 
 
 def _first_path(tree) -> list[int]:

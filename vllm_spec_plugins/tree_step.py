@@ -189,6 +189,15 @@ def _plain_sampler(runner, i: int, rows: torch.Tensor, temp: float):
     return sample
 
 
+def row_starts(spec_decode_metadata) -> list[int]:
+    """First logits row of each request: its verified drafts + 1 rows each."""
+    starts, pos = [], 0
+    for n in spec_decode_metadata.num_draft_tokens:
+        starts.append(pos)
+        pos += n + 1
+    return starts
+
+
 def accept(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output,
            argmax: list[list[int]] | None = None) -> None:
     """Tree acceptance for tree rows, written into the sampler output; then KV compaction.
@@ -198,10 +207,7 @@ def accept(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output,
         return
     batch = runner.input_batch
     out = sampler_output.sampled_token_ids
-    starts, pos = [], 0
-    for n in spec_decode_metadata.num_draft_tokens:
-        starts.append(pos)
-        pos += n + 1
+    starts = row_starts(spec_decode_metadata)
     qsl = runner.query_start_loc.cpu
     src, dst = [], []
     for i, tree in step.rows.items():
@@ -230,18 +236,15 @@ def accept(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output,
                 step.slot_mapping[dst].long())
 
 
-def accept_root_only(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output) -> list[str]:
+def accept_root_only(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output) -> None:
     """After a fault in tree attention or acceptance: every row of our acceptance takes no draft
     and one token from its first logits row (the last verified token, whose attention does not
-    depend on the tree mask), drawn as decoding without speculation would. Returns their request
-    ids. KV copies a failed `accept` may have made went to slots past that token: unused."""
+    depend on the tree mask), drawn as decoding without speculation would. KV copies a failed
+    `accept` may have made went to slots past that token: unused."""
     step = _current
     batch = runner.input_batch
     out = sampler_output.sampled_token_ids
-    starts, pos = [], 0
-    for n in spec_decode_metadata.num_draft_tokens:
-        starts.append(pos)
-        pos += n + 1
+    starts = row_starts(spec_decode_metadata)
     for i in step.rows:
         row = logits[starts[i]: starts[i] + 1]
         temp = float(batch.temperature_cpu[i])
@@ -254,7 +257,6 @@ def accept_root_only(runner, logits: torch.Tensor, spec_decode_metadata, sampler
         out[i].fill_(-1)
         out[i, 0] = tok
         step.accepted[i] = []
-    return [batch.req_ids[i] for i in step.rows]
 
 
 def compact(kv_caches: list[tuple], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:

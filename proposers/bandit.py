@@ -42,10 +42,11 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass, replace
 
-from .base import RequestStep, StepContext
+from .base import BuildEnv, MethodConfig, Proposer, RequestStep, StepContext, check_prompt_lookup, key
 from .cost import StepCost, attended, batch_bucket, continues
-from .lookahead import LookaheadProposer, _select, shaped_tree
+from .lookahead import SHARED_POOL_HELP, LookaheadConfig, LookaheadProposer, _select, shaped_tree
 
 logger = logging.getLogger("vllm_spec_plugins")
 
@@ -174,44 +175,122 @@ class DiscountedUCB:
                 self.resx[a] = [v / n * min(n, weight) for v in other.resx[a]]
 
 
-class BanditTreeProposer(LookaheadProposer):
-    """Lookahead drafter (or, with `drafter`, a Mamba drafter: `MambaProposer.draft_tree`) + a
-    shape bandit. `scope`: "global" (one table per batch bucket), "request" (one per request,
+MAMBA_FOLDER_HELP = ("its folder (`python -m vllm_spec_plugins.drafters --drafter mamba`) or "
+                     "'vllm_spec_plugins:smollm2-135m-instruct-mamba' (shipped)")
+
+
+@dataclass
+class BanditTreeConfig(MethodConfig):
+    method = "bandit_tree"
+    num_speculative_tokens: int = key(16, 1, 64, "draft tokens the scheduler reserves per request (>= node_budget)")
+    drafter: str = key("lookahead", help="what proposes candidates per depth: 'lookahead' (model-free pool) or "
+                       "'mamba' (the Mamba drafter's greedy chain and its next-best tokens per depth)")
+    model: str = key("", help="drafter 'mamba': " + MAMBA_FOLDER_HELP)
+    node_budget: int = key(0, 0, 64, "max tree nodes per request (0 = num_speculative_tokens)")
+    max_depth: int = key(6, 1, 64, "deepest shape in the generated family")
+    max_width: int = key(4, 1, 64, "widest first level in the generated family")
+    shapes: list = key([], help="explicit shape family: list of width lists ([] in it = no speculation); "
+                       "one shape = fixed")
+    batch_node_budget: int = key(64, 1, 1 << 16, "draft nodes per step across the batch: shapes over "
+                                 "budget/batch_size nodes are not tried")
+    backoff: bool = key(True, help="include the no-speculation arm in the generated family")
+    scope: str = key("global", help="bandit tables: 'global', 'request', or 'field:NAME' "
+                     "(SamplingParams.extra_args[NAME])")
+    exploration: float = key(0.05, 0.0, 10.0, "UCB exploration weight c (times the best mean reward)")
+    discount: float = key(0.995, 0.5, 1.0, "per-step discount of the bandit's counts (memory ~ 1/(1-discount) steps)")
+    window: int = key(0, 0, 64, "drafter: Jacobi window W (0 = deepest shape)")
+    ngram: int = key(4, 2, 16, "drafter: n-gram size N")
+    guesses: int = key(7, 1, 64, "drafter: n-gram candidates kept per key token")
+    pool_cap: int = key(4096, 16, 1 << 20, "drafter: max n-grams per request (LRU eviction)")
+    shared_pool: int = key(65536, 0, 1 << 22, "drafter: lookahead's `shared_pool` (unused with drafter 'mamba'): "
+                           + SHARED_POOL_HELP)
+    prompt_lookup_min: int = key(1, 1, 16, "drafter: prompt-lookup min match length")
+    prompt_lookup_max: int = key(3, 1, 16, "drafter: prompt-lookup max match length")
+
+    @property
+    def budget(self) -> int:
+        return self.node_budget or self.num_speculative_tokens
+
+    def family(self) -> list[tuple]:
+        shapes = self.shapes or shape_family(self.max_depth, self.max_width, self.budget, self.backoff)
+        return [tuple(w) for w in shapes]
+
+    def check(self) -> None:
+        check_prompt_lookup(self)
+        k, budget = self.num_speculative_tokens, self.budget
+        if budget > k:
+            raise ValueError(f"speculative_config.node_budget={budget} must be <= num_speculative_tokens={k} "
+                             "(the scheduler's draft budget)")
+        for name in ("max_depth", "max_width"):
+            if getattr(self, name) > budget:
+                raise ValueError(f"speculative_config.{name}={getattr(self, name)} must be <= node_budget={budget}")
+        if self.drafter not in ("lookahead", "mamba"):
+            raise ValueError(f"speculative_config.drafter={self.drafter!r}: bandit_tree drafts candidates with "
+                             "'lookahead' (model-free) or 'mamba' (a Mamba drafter, speculative_config.model)")
+        if self.drafter == "mamba" and not self.model:
+            raise ValueError("speculative_config.model is required with drafter 'mamba': " + MAMBA_FOLDER_HELP)
+        if self.drafter == "lookahead" and self.model:
+            raise ValueError(f"speculative_config.model={self.model!r} is only used with drafter 'mamba' "
+                             "(drafter 'lookahead' is model-free)")
+        scope = self.scope
+        if not (scope in ("global", "request") or (scope.startswith("field:") and len(scope) > 6)):
+            raise ValueError(f"speculative_config.scope={scope!r} must be 'global', 'request' or 'field:NAME'")
+        for sh in self.shapes:
+            if not isinstance(sh, (list, tuple)) or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1
+                                                            for w in sh):
+                raise ValueError("speculative_config.shapes: each shape is a list of widths >= 1 (nodes per "
+                                 f"depth), got {sh!r}")
+            if sum(sh) > budget:
+                raise ValueError(f"speculative_config.shapes: shape {list(sh)} has {sum(sh)} nodes > "
+                                 f"node_budget={budget}")
+        if not self.family():
+            raise ValueError("speculative_config: the bandit's shape family is empty")
+        if self.window > k:
+            raise ValueError(f"speculative_config.window={self.window} must be <= num_speculative_tokens={k}")
+        if self.ngram > k + 1:
+            raise ValueError(f"speculative_config.ngram={self.ngram} must be <= num_speculative_tokens + 1 = {k + 1}")
+
+    def drafter_folder(self) -> str | None:
+        return self.model if self.drafter == "mamba" else None
+
+    uses_trees = True
+
+    def lookahead(self) -> LookaheadConfig:
+        """The lookahead pool that drafts the candidates: the tree form at this node budget."""
+        k, depth = self.num_speculative_tokens, max(map(len, self.family())) or 1
+        return LookaheadConfig(num_speculative_tokens=k, window=min(self.window or depth, k),
+                               ngram=min(self.ngram, k + 1), guesses=self.guesses, pool_cap=self.pool_cap,
+                               shared_pool=self.shared_pool if self.drafter == "lookahead" else 0,
+                               prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
+                               tree=True, tree_nodes=self.budget, goodput=False)
+
+    def build(self, env: BuildEnv) -> Proposer:
+        drafter = env.load_drafter(self.model) if self.drafter == "mamba" else None
+        return BanditTreeProposer(self, vocab_size=env.vocab_size, drafter=drafter, max_requests=env.max_requests)
+
+
+class BanditTreeProposer(Proposer):
+    """The lookahead pool's tree form (or, with `drafter`, a Mamba drafter:
+    `MambaProposer.draft_tree`) drafts candidates; a shape bandit chooses how many of them to
+    keep per depth. `scope`: "global" (one table per batch bucket), "request" (one per request,
     freed with it), or "field:NAME" (one per value of the request's
     `SamplingParams.extra_args[NAME]`, e.g. a traffic category; missing -> "global")."""
 
-    def __init__(self, num_speculative_tokens: int, max_depth: int = 6, max_width: int = 4,
-                 node_budget: int | None = None, shapes: list | None = None, exploration: float = 0.05,
-                 discount: float = 0.995, scope: str = "global", backoff: bool = True,
-                 batch_node_budget: int = 64, drafter=None, max_requests: int = 8,
-                 log_every: int = 500, history: int = 20000, clock=time.perf_counter, **lookahead):
-        budget = node_budget or num_speculative_tokens
-        if not 1 <= budget <= num_speculative_tokens:
-            raise ValueError(f"bandit_tree: node_budget must be in [1, num_speculative_tokens="
-                             f"{num_speculative_tokens}], got {node_budget}")
-        if shapes is None:
-            if not 1 <= max_depth <= budget or not 1 <= max_width <= budget:
-                raise ValueError(f"bandit_tree: max_depth and max_width must be in [1, node_budget={budget}]")
-            shapes = shape_family(max_depth, max_width, budget, backoff)
-        shapes = [tuple(int(w) for w in s) for s in shapes]
-        if not shapes:
-            raise ValueError("bandit_tree: the shape family is empty")
-        for s in shapes:
-            if any(w < 1 for w in s) or sum(s) > budget:
-                raise ValueError(f"bandit_tree: shape {list(s)} needs widths >= 1 and at most "
-                                 f"node_budget={budget} nodes")
-        if not (0 < discount <= 1) or exploration < 0:
-            raise ValueError("bandit_tree: need 0 < discount <= 1 and exploration >= 0")
-        if not (scope in ("global", "request") or (scope.startswith("field:") and len(scope) > 6)):
-            raise ValueError(f"bandit_tree: scope must be 'global', 'request' or 'field:NAME', got {scope!r}")
+    needs_target_argmax = True
+
+    def __init__(self, cfg: BanditTreeConfig, vocab_size: int | None = None, drafter=None, max_requests: int = 8,
+                 log_every: int = 500, history: int = 20000, clock=time.perf_counter):
+        super().__init__(cfg.num_speculative_tokens)
+        self.cfg = cfg
+        shapes = cfg.family()
         depth = max(len(s) for s in shapes) or 1
-        lookahead["window"] = min(lookahead.get("window") or depth, num_speculative_tokens)
-        lookahead["ngram"] = min(lookahead.get("ngram") or 4, num_speculative_tokens + 1)
-        super().__init__(num_speculative_tokens, tree=True, tree_nodes=budget, **lookahead)
-        if batch_node_budget < 1:
-            raise ValueError("bandit_tree: batch_node_budget must be >= 1")
-        self.shapes, self.exploration, self.discount, self.scope = shapes, exploration, discount, scope
-        self.batch_node_budget = batch_node_budget
+        #: candidates and their scores: the lookahead pool's tree form (its state per request)
+        la = cfg.lookahead() if drafter is None else replace(cfg.lookahead(), shared_pool=0)   # the drafter drafts
+        self.lookahead = LookaheadProposer(la, vocab_size=vocab_size)
+        self.lookahead.clock = clock         # its one-off seconds are subtracted from ours: one clock
+        self.states = self.lookahead.states
+        self.shapes, self.exploration, self.discount, self.scope = shapes, cfg.exploration, cfg.discount, cfg.scope
+        self.batch_node_budget = cfg.batch_node_budget
         #: a Mamba drafter (`StateSpaceDrafter`) drafts the candidates instead of the lookahead pool
         self.mamba = None
         if drafter is not None:
@@ -235,13 +314,22 @@ class BanditTreeProposer(LookaheadProposer):
         self.draft_seconds = 0.0
         self.history: deque = deque(maxlen=history)   # (step, key, bucket, arm, reward)
         self.log_every, self.clock = log_every, clock
-        #: set by the engine adapter under tensor parallelism: makes every rank use rank 0's arms
+        #: `set_sync`: under tensor parallelism every rank uses rank 0's arms
         self.sync = None
+
+    def set_sync(self, sync) -> None:
+        self.sync = sync
+
+    def request_ids(self) -> set[str]:
+        return set(self.lookahead.states) | (set(self.mamba.slots) if self.mamba is not None else set())
+
+    def summary(self) -> dict:
+        return {"bandit": self.inspect(), **self.lookahead.summary()}
 
     def _once_total(self) -> float:
         """One-off seconds so far (the pool's first indexing of prompts, the drafter's prompt
         scans): no arm's cost."""
-        return self.once_seconds + (self.mamba.once_seconds if self.mamba is not None else 0.0)
+        return self.lookahead.once_seconds + (self.mamba.once_seconds if self.mamba is not None else 0.0)
 
     # ---- traffic keys ------------------------------------------------------------------------
     def key_of(self, req: RequestStep) -> str:
@@ -253,7 +341,7 @@ class BanditTreeProposer(LookaheadProposer):
         return "global" if v is None else str(v)
 
     def release(self, req_id: str) -> None:
-        super().release(req_id)
+        self.lookahead.release(req_id)
         self.subsets.pop(req_id, None)
         if self.mamba is not None:
             self.mamba.release(req_id)
@@ -264,7 +352,7 @@ class BanditTreeProposer(LookaheadProposer):
                 del self.pending[ctx]
 
     def state_nbytes(self, req_id: str) -> int:
-        n = super().state_nbytes(req_id)
+        n = self.lookahead.state_nbytes(req_id)
         if self.mamba is not None and req_id in self.mamba.slots:
             n += self.mamba.state_nbytes(req_id)
         return n
@@ -361,9 +449,10 @@ class BanditTreeProposer(LookaheadProposer):
         out: list = []
         drafted: dict[int, list[int]] = {}
         for i, req in enumerate(ctx.requests):
-            st = self.states.get(req.req_id)
+            la = self.lookahead
+            st = la.states.get(req.req_id)
             if st is None:
-                st = self.states[req.req_id] = self.new_state(req)
+                st = la.states[req.req_id] = la.new_state(req)
             if not req.sampled:
                 out.append([])
                 continue
@@ -374,7 +463,7 @@ class BanditTreeProposer(LookaheadProposer):
             # that verified some, or before one that drafts. While backed off (large batches) a
             # request costs nothing here; its text is indexed when it drafts again (incrementally).
             if cands is None and (req.drafts or (k and shape)):
-                self.observe(st, req)
+                la.observe(st, req)
             if not k:                    # the engine's budget says no drafts: no arm was pulled
                 out.append([])
                 continue
@@ -386,16 +475,16 @@ class BanditTreeProposer(LookaheadProposer):
             wider: dict[int, list] = {}
             also = {a: self.shapes[a] for a in self.allowed(bucket) if a != arm and self.shapes[a]}
             if cands is None:
-                tree = self._propose_tree(st, req, k, list(shape), also, subs)
+                tree = la.propose_tree(st, req, k, list(shape), also, subs)
             else:
                 toks, pars, score = cands[i]
                 order = sorted(range(len(toks)), key=lambda j: (-score[j], j))   # parents first: scores fall
-                tree, _ = shaped_tree(order, toks, pars, shape, min(self.tree_nodes, k, sum(shape)), also, subs,
-                                      min(self.tree_nodes, k))
+                tree, _ = shaped_tree(order, toks, pars, shape, min(la.tree_nodes, k, sum(shape)), also, subs,
+                                      min(la.tree_nodes, k))
                 if req.greedy:   # the other arms no deeper than this one: their trees, for `greedy_tokens`
                     for a, sh in also.items():
                         if a not in subs and len(sh) <= len(shape):
-                            sel = _select(order, pars, sh, min(self.tree_nodes, k, sum(sh)))
+                            sel = _select(order, pars, sh, min(la.tree_nodes, k, sum(sh)))
                             wider[a] = [(j, toks[j], pars[j]) for j in sel]
             drafted.setdefault(arm, []).append(len(tree))
             if len(tree):

@@ -7,8 +7,9 @@ request id, never by row: rows move between steps.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence, get_type_hints
 
 import numpy as np
 
@@ -16,6 +17,127 @@ if TYPE_CHECKING:
     import torch
 
 
+# ---- configuration ---------------------------------------------------------------------------
+def key(default: Any, lo: float | None = None, hi: float | None = None, help: str = "") -> Any:
+    """A config field: its default, its allowed range (numbers) and its help text, in one place
+    (`MethodConfig.keys()` hands them to validation and to the generated docs)."""
+    meta = {"lo": lo, "hi": hi, "help": help}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+GOODPUT_HELP = ("per step, keep only the draft tokens whose learned chance of acceptance pays for their "
+                "measured verification cost, over the whole batch; draft nothing while drafting does not "
+                "pay (false: always draft num_speculative_tokens)")
+
+
+@dataclass(frozen=True)
+class Key:
+    """One config key as validation and the docs see it."""
+    default: Any
+    lo: float | None = None
+    hi: float | None = None
+    kind: type = int
+    help: str = ""
+
+
+_KINDS = (bool, int, float, str, list)
+
+
+@dataclass
+class MethodConfig:
+    """Base of every method's typed config: a dataclass whose fields are the method's keys
+    (`key(...)`: default, range, help). Constructing one checks every field's type and range,
+    then the method's own cross-field rules (`check`), so an instance is always valid; the
+    proposer takes it whole."""
+
+    #: the speculative_config "method" name this config serves
+    method: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        hints = get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            v, kind, lo, hi = getattr(self, f.name), _kind(hints[f.name]), f.metadata.get("lo"), f.metadata.get("hi")
+            if v is None:
+                if f.default is None:
+                    raise ValueError(f"speculative_config.{f.name} is required for method {self.method!r} "
+                                     f"({f.metadata.get('help', '')})")
+                continue
+            what = {int: "an integer", bool: "true or false", str: "a string", float: "a number",
+                    list: "a list"}[kind]
+            if kind is float and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v)
+                object.__setattr__(self, f.name, v)
+            if isinstance(v, np.integer) and kind is int:
+                v = int(v)
+                object.__setattr__(self, f.name, v)
+            if not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)):
+                raise ValueError(f"speculative_config.{f.name}={v!r} must be {what} ({f.metadata.get('help', '')})")
+            if lo is not None and not (lo <= v <= hi):
+                raise ValueError(f"speculative_config.{f.name}={v} is out of range for method {self.method!r}: "
+                                 f"allowed {lo}..{hi} ({f.metadata.get('help', '')})")
+        self.check()
+
+    def check(self) -> None:
+        """Cross-field rules of the method (ValueError naming the field)."""
+
+    def drafter_folder(self) -> str | None:
+        """The drafter model folder this configuration loads, if any (checked before start)."""
+        return None
+
+    @property
+    def uses_trees(self) -> bool:
+        """Whether the proposer drafts trees (tree attention runs; some models are refused)."""
+        return False
+
+    @property
+    def needs_target(self) -> bool:
+        """Whether building the proposer reads the target's weights (a drafter shares its head)."""
+        return self.drafter_folder() is not None
+
+    @classmethod
+    def keys(cls) -> dict[str, Key]:
+        hints = get_type_hints(cls)
+        out = {}
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            out[f.name] = Key(default, f.metadata.get("lo"), f.metadata.get("hi"), _kind(hints[f.name]),
+                              f.metadata.get("help", ""))
+        return out
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, **dataclasses.asdict(self)}
+
+
+def _kind(t) -> type:
+    """int / bool / float / str / list from a field's annotation (`str | None` -> str)."""
+    for k in _KINDS:
+        if t is k or getattr(t, "__origin__", None) is k:
+            return k
+    for a in getattr(t, "__args__", ()):
+        if a is not type(None):
+            return _kind(a)
+    raise TypeError(f"unsupported config field type {t!r}")
+
+
+def check_prompt_lookup(cfg) -> None:
+    if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
+        raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
+
+
+@dataclass
+class BuildEnv:
+    """What building a proposer needs from the engine besides its config."""
+    vocab_size: int | None = None
+    max_requests: int = 8
+    #: folder -> a loaded drafter over the target's embeddings (the engine adapter supplies it)
+    load_drafter: Any = None
+    #: the target's model folder, for a config whose `needs_target` is set
+    target: str | None = None
+
+
+# ---- one engine step --------------------------------------------------------------------------
 @dataclass
 class RequestStep:
     """What one request did in the last target step."""
@@ -92,12 +214,15 @@ class Proposer:
     #: evidence (len = number of classes). None: classes by depth alone.
     class_prior = None
     classes: list[list[int]] | None = None
+    #: steps taken, for proposers that count them (reports)
+    steps: int = 0
 
     def __init__(self, num_speculative_tokens: int):
         if num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
         self.k = num_speculative_tokens
         self.states: dict[str, object] = {}
+        self.stats: dict = {}
 
     # ---- per-request lifecycle -------------------------------------------------------------
     def new_state(self, req: RequestStep) -> object:
@@ -105,6 +230,27 @@ class Proposer:
 
     def release(self, req_id: str) -> None:
         self.states.pop(req_id, None)
+
+    # ---- what the engine adapter reads (state reports, tensor parallelism) --------------------
+    def request_ids(self) -> set[str]:
+        """Requests this proposer holds state for."""
+        return set(self.states)
+
+    def state_nbytes(self, req_id: str) -> int:
+        """Bytes held for one request."""
+        return 0
+
+    def summary(self) -> dict:
+        """The proposer's own state for reports (bounded size): shared tables, learned statistics."""
+        return {}
+
+    def counters(self) -> dict:
+        """Cumulative counters (tokens, seconds, steps), or {}."""
+        return dict(self.stats)
+
+    def set_sync(self, sync) -> None:
+        """Tensor parallelism: `sync(obj) -> obj` makes every rank take rank 0's choices; a
+        proposer whose drafts depend on measured time uses it, others ignore it."""
 
     # ---- per-step ----------------------------------------------------------------------------
     def observe(self, state: object, req: RequestStep) -> None:

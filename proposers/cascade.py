@@ -22,32 +22,101 @@ j drafts, for every draft handed out, so a rejection resumes with no recomputati
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from vllm_spec_plugins.proposers.base import StepContext, ngram_lookup
-from vllm_spec_plugins.proposers.mamba import CONF_PRIOR, MambaProposer, StateSpaceDrafter, confidence_classes
+from vllm_spec_plugins.proposers.base import (
+    GOODPUT_HELP,
+    BuildEnv,
+    MethodConfig,
+    Proposer,
+    StepContext,
+    check_prompt_lookup,
+    key,
+    ngram_lookup,
+)
+from vllm_spec_plugins.proposers.lookahead import SHARED_POOL_HELP, LookaheadConfig, LookaheadProposer
+from vllm_spec_plugins.proposers.mamba import (
+    CONF_PRIOR,
+    DRAFTER_HELP,
+    MambaProposer,
+    StateSpaceDrafter,
+    confidence_classes,
+)
 
-if TYPE_CHECKING:
-    from vllm_spec_plugins.proposers.lookahead import LookaheadProposer
+LEVELS = (["ngram", "mamba"], ["lookahead", "mamba"])
 
 
-class CascadeProposer(MambaProposer):
+@dataclass
+class CascadeConfig(MethodConfig):
+    method = "cascade"
+    num_speculative_tokens: int = key(8, 1, 16, "max drafts handed to the target per step")
+    levels: list = key(["ngram", "mamba"], help="draft levels, cheapest first; each drafts for the next, the last "
+                       "for the target: ['ngram', 'mamba'] (level 0: n-gram lookup in the request's own tokens) or "
+                       "['lookahead', 'mamba'] (level 0: lookahead's chain form: its text index, its pool of "
+                       "n-grams from the target's own outputs, the shared pool)")
+    model: str = key(None, help="the 'mamba' level's drafter: " + DRAFTER_HELP)
+    drafter_steps: int = key(3, 0, 16, "sequential drafter steps after its one-pass check of the n-gram level")
+    drafter_top_k: int = key(0, 0, 64, "the drafter keeps an n-gram token it ranks in its top k (1: only its own "
+                             "greedy choice; 0: all)")
+    prompt_lookup_min: int = key(1, 1, 16, "n-gram level: min match length")
+    prompt_lookup_max: int = key(3, 1, 16, "n-gram level: max match length")
+    shared_pool: int = key(65536, 0, 1 << 22, "'lookahead' level: " + SHARED_POOL_HELP)
+    goodput: bool = key(True, help=GOODPUT_HELP)
+
+    def check(self) -> None:
+        check_prompt_lookup(self)
+        if self.levels not in LEVELS:
+            raise ValueError(f"speculative_config.levels={self.levels!r}: this release runs the cascades "
+                             "['ngram', 'mamba'] and ['lookahead', 'mamba'] (a model-free level drafts for "
+                             "the Mamba drafter, which drafts for the target)")
+
+    def drafter_folder(self) -> str | None:
+        return self.model
+
+    def level0(self) -> LookaheadConfig | None:
+        """The 'lookahead' level's chain form (None: n-gram lookup in the request's own tokens)."""
+        if self.levels[0] != "lookahead":
+            return None
+        k = self.num_speculative_tokens
+        return LookaheadConfig(num_speculative_tokens=k, ngram=min(4, k + 1), shared_pool=self.shared_pool,
+                               prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
+                               goodput=False)
+
+    def build(self, env: BuildEnv) -> Proposer:
+        prop = CascadeProposer(self, env.load_drafter(self.model), env.max_requests, vocab_size=env.vocab_size)
+        if self.goodput:
+            from .goodput import Goodput
+            return Goodput(prop)
+        return prop
+
+
+class CascadeProposer(Proposer):
     # Token classes for `Goodput`: the drafter's own tokens by its confidence (as `mamba`), then
     # level-0 tokens by the probability the drafter gives them in its one-pass check.
     class_prior = np.concatenate([np.repeat(CONF_PRIOR, 4), np.repeat([0.5 * (0.4 + c) for c in CONF_PRIOR], 4)])
-    def __init__(self, num_speculative_tokens: int, drafter: StateSpaceDrafter, max_requests: int = 8,
-                 drafter_steps: int = 3, ngram_min: int = 1, ngram_max: int = 3, drafter_top_k: int = 1,
-                 level0: "LookaheadProposer | None" = None):
-        self.drafter_steps = drafter_steps       # (sizes the snapshot buffers, `snapshots`)
-        super().__init__(num_speculative_tokens, drafter, max_requests)
-        self.ngram_min, self.ngram_max = ngram_min, ngram_max
-        self.top_k = drafter_top_k
+
+    def __init__(self, cfg: CascadeConfig, drafter: StateSpaceDrafter, max_requests: int = 8,
+                 vocab_size: int | None = None, level0: LookaheadProposer | None = None):
+        """`level0`: a lookahead level to use instead of the one `cfg.levels` describes."""
+        super().__init__(cfg.num_speculative_tokens)
+        self.cfg = cfg
+        self.drafter_steps = cfg.drafter_steps
+        #: the drafter's slots; the C step writes every drafter step's state to a snapshot (a0 +
+        #: step, up to k + drafter_steps + 1): those past k are scratch, never read
+        self.mamba = MambaProposer(self.k, drafter, max_requests, scratch_snapshots=self.drafter_steps + 1)
+        self.states = self.mamba.slots
+        self.d, self.kernel = self.mamba.d, self.mamba.kernel
+        self.ngram_min, self.ngram_max = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+        self.top_k = cfg.drafter_top_k
+        if level0 is None and cfg.level0() is not None:
+            level0 = LookaheadProposer(cfg.level0(), vocab_size=vocab_size)
         self.level0 = level0
-        if level0 is not None:                   # its pool learns from the target's argmax rows
+        if self.level0 is not None:              # its pool learns from the target's argmax rows
             self.needs_target_argmax = True
+        self._level0_once = 0.0                  # the lookahead level's one-off seconds (prompt indexing)
         inv = torch.full((int(drafter.draft_vocab.max()) + 1,), -1, dtype=torch.long)
         inv[drafter.draft_vocab] = torch.arange(len(drafter.draft_vocab))
         self.draft_index = inv                   # target id -> draft-vocab index (-1: not in it)
@@ -59,17 +128,36 @@ class CascadeProposer(MambaProposer):
                       "target_accepted_level0": 0, "target_accepted_drafter": 0,
                       "level0_s": 0.0, "drafter_s": 0.0, "steps": 0}
 
+    # one clock and one count of one-off seconds for both levels (`Goodput` reads and sets them)
     @property
-    def snapshots(self) -> int:
-        """The C step writes every drafter step's state to a snapshot (a0 + step, up to
-        k + drafter_steps + 1); those past k are scratch, never read."""
-        return self.k + self.drafter_steps + 2
+    def clock(self):
+        return self.mamba.clock
+
+    @clock.setter
+    def clock(self, clock) -> None:
+        self.mamba.clock = clock
+        if self.level0 is not None:
+            self.level0.clock = clock
+
+    @property
+    def once_seconds(self) -> float:
+        return self.mamba.once_seconds + self._level0_once
 
     def release(self, req_id: str) -> None:
-        super().release(req_id)
+        self.mamba.release(req_id)
         self.origin.pop(req_id, None)
         if self.level0 is not None:
             self.level0.release(req_id)
+
+    def request_ids(self) -> set[str]:
+        return set(self.mamba.slots) | (self.level0.request_ids() if self.level0 is not None else set())
+
+    def state_nbytes(self, req_id: str) -> int:
+        n = self.mamba.state_nbytes(req_id) if req_id in self.mamba.slots else 0
+        return n + (self.level0.state_nbytes(req_id) if self.level0 is not None else 0)
+
+    def summary(self) -> dict:
+        return self.level0.summary() if self.level0 is not None else {}
 
     def _level0(self, req, k: int) -> list[int]:
         la = self.level0
@@ -78,17 +166,17 @@ class CascadeProposer(MambaProposer):
         st = la.states.get(req.req_id)
         if st is None:
             st = la.states[req.req_id] = la.new_state(req)
-        la.clock, once0 = self.clock, la.once_seconds
+        once0 = la.once_seconds
         la.observe(st, req)                      # last step's verified drafts -> its pools
-        self.once_seconds += la.once_seconds - once0     # a new request's prompt indexing: one-off
-        t = req.token_ids
-        return la._chain(st, t, t[-max(la.pl_max, 1):].tolist(), k)
+        self._level0_once += la.once_seconds - once0     # a new request's prompt indexing: one-off
+        return la.chain(st, req.token_ids, k)
 
     @torch.no_grad()
     def propose(self, ctx: StepContext) -> list:
         for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
             self.release(rid)
         k = ctx.budget(self.k)
+        mp = self.mamba
         out: list[list[int]] = [[] for _ in ctx.requests]
         self.classes = [[] for _ in ctx.requests]
         t0 = time.perf_counter()
@@ -102,12 +190,12 @@ class CascadeProposer(MambaProposer):
                 self.stats["target_accepted_level0"] += min(a, o)
                 self.stats["target_accepted_drafter"] += max(a - o, 0)
             if k == 0:
-                self._skip(req)
+                mp.skip(req)
                 continue
-            snap.append(self._before_last(req))
-            self.ntok[rid] = len(req.token_ids)
+            snap.append(mp.before_last(req))
+            mp.ntok[rid] = len(req.token_ids)
             lvl0 = self._level0(req, k)
-            rows.append(i), slots.append(self.slots[rid])
+            rows.append(i), slots.append(mp.slots[rid])
             feed.append([int(req.token_ids[-1])] + lvl0)
         if not rows:
             return out
@@ -116,7 +204,7 @@ class CascadeProposer(MambaProposer):
         x = torch.tensor([f + [0] * (T - len(f)) for f in feed])  # [b, T]
         t1 = time.perf_counter()
         sl, sn = torch.tensor(slots), torch.tensor(snap)
-        layers, kernel = self.buf, self.kernel
+        layers, kernel = mp.buf, self.kernel
         if kernel is not None:
             # T C steps, bonus then level 0: snapshot p = after bonus + p level-0 tokens. Past a
             # row's a0 they are scratch: the steps below rewrite them before anything reads them.

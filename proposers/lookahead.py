@@ -49,11 +49,12 @@ import heapq
 import sys
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .base import Proposer, RequestStep, StepContext
+from .base import GOODPUT_HELP, BuildEnv, MethodConfig, Proposer, RequestStep, StepContext, check_prompt_lookup, key
 
 if TYPE_CHECKING:
     from vllm_spec_plugins.scorers.tree import DraftTree
@@ -188,43 +189,64 @@ class _State:
                 + tree)
 
 
+SHARED_POOL_HELP = ("contexts kept in the n-gram table shared by all requests (every request's prompt and "
+                    "output; LRU), kept apart per tenant: requests with another cache_salt never draft from "
+                    "each other's text; 0 = off (each request drafts from its own text only)")
+
+
+@dataclass
+class LookaheadConfig(MethodConfig):
+    method = "lookahead"
+    num_speculative_tokens: int = key(6, 1, 64, "max draft chain length (k)")
+    window: int = key(0, 0, 64, "Jacobi window W (guess positions; 0 = num_speculative_tokens)")
+    ngram: int = key(4, 2, 16, "n-gram size N (lookahead levels + 1)")
+    guesses: int = key(7, 1, 64, "G: max n-gram candidates kept per key token")
+    pool_cap: int = key(4096, 16, 1 << 20, "max n-grams per request (LRU eviction)")
+    shared_pool: int = key(65536, 0, 1 << 22, SHARED_POOL_HELP)
+    prompt_lookup_min: int = key(1, 1, 16, "prompt-lookup fallback: min match length")
+    prompt_lookup_max: int = key(3, 1, 16, "prompt-lookup fallback: max match length")
+    tree: bool = key(False, help="full form: verify pool candidates + Jacobi window as one tree")
+    tree_nodes: int = key(0, 0, 64, "tree node budget (0 = num_speculative_tokens)")
+    goodput: bool = key(True, help=GOODPUT_HELP)
+
+    def check(self) -> None:
+        check_prompt_lookup(self)
+        if self.guesses > self.pool_cap:
+            raise ValueError(f"speculative_config.guesses={self.guesses} must be <= pool_cap={self.pool_cap}")
+        k = self.num_speculative_tokens
+        for name, hi, what in (("window", k, "num_speculative_tokens"),
+                               ("tree_nodes", k, "num_speculative_tokens (the scheduler's draft budget)"),
+                               ("ngram", k + 1, "num_speculative_tokens + 1")):
+            if getattr(self, name) > hi:
+                raise ValueError(f"speculative_config.{name}={getattr(self, name)} must be <= {what} = {hi}")
+
+    @property
+    def uses_trees(self) -> bool:
+        return self.tree
+
+    def build(self, env: BuildEnv) -> Proposer:
+        prop = LookaheadProposer(self, vocab_size=env.vocab_size)
+        if self.goodput and not self.tree:        # chains; the tree form keeps its tree_nodes
+            from .goodput import Goodput
+            return Goodput(prop)
+        return prop
+
+
 class LookaheadProposer(Proposer):
     needs_target_argmax = True
     clock = staticmethod(time.perf_counter)     # `once_seconds` (a `Goodput` around it sets its own)
 
-    def __init__(self, num_speculative_tokens: int, window: int | None = None, ngram: int = 3,
-                 guesses: int = 8, pool_cap: int = 4096, prompt_lookup_min: int = 1,
-                 prompt_lookup_max: int = 3, vocab_size: int | None = None, tree: bool = False,
-                 tree_nodes: int | None = None, shared_pool: int = 0):
-        super().__init__(num_speculative_tokens)
+    def __init__(self, cfg: LookaheadConfig, vocab_size: int | None = None):
+        super().__init__(cfg.num_speculative_tokens)
+        self.cfg = cfg
+        if vocab_size is not None and vocab_size < 1:
+            raise ValueError(f"lookahead: vocab_size must be >= 1, got {vocab_size!r}")
         k = self.k
-        window = k if window is None else window
-
-        def check(name, value, lo, hi=None, extra=""):
-            bad = isinstance(value, bool) or not isinstance(value, (int, np.integer))
-            if bad or value < lo or (hi is not None and value > hi):
-                rng = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-                raise ValueError(f"lookahead: {name} must be an int {rng}{extra}, got {value!r}")
-
-        check("window", window, 1, k, " (num_speculative_tokens)")
-        check("ngram", ngram, 2, k + 1, " (num_speculative_tokens + 1)")
-        check("pool_cap", pool_cap, 1)
-        check("shared_pool", shared_pool, 0, None, " (0 = off)")
-        check("guesses", guesses, 1, pool_cap, " (pool_cap)")
-        check("prompt_lookup_max", prompt_lookup_max, 0, None, " (0 disables prompt lookup)")
-        if prompt_lookup_max:
-            check("prompt_lookup_min", prompt_lookup_min, 1, prompt_lookup_max, " (prompt_lookup_max)")
-        if vocab_size is not None:
-            check("vocab_size", vocab_size, 1)
-        if not isinstance(tree, (bool, np.bool_)):
-            raise ValueError(f"lookahead: tree must be True or False, got {tree!r}")
-        tree_nodes = k if tree_nodes is None or (tree_nodes == 0 and not isinstance(tree_nodes, bool)) else tree_nodes
-        check("tree_nodes", tree_nodes, 1, k, " (num_speculative_tokens; 0 or None = num_speculative_tokens)")
-        self.tree, self.tree_nodes = bool(tree), int(tree_nodes)
-        self.window, self.ngram, self.guesses, self.pool_cap = int(window), int(ngram), int(guesses), int(pool_cap)
-        self.pl_min, self.pl_max = (int(prompt_lookup_min), int(prompt_lookup_max)) if prompt_lookup_max else (0, 0)
+        self.tree, self.tree_nodes = cfg.tree, cfg.tree_nodes or k
+        self.window, self.ngram, self.guesses, self.pool_cap = cfg.window or k, cfg.ngram, cfg.guesses, cfg.pool_cap
+        self.pl_min, self.pl_max = cfg.prompt_lookup_min, cfg.prompt_lookup_max
         self.vocab_size = vocab_size
-        self.shared = SharedPool(self.ngram, int(shared_pool)) if shared_pool else None
+        self.shared = SharedPool(self.ngram, cfg.shared_pool) if cfg.shared_pool else None
         # req id -> tokens of its text the shared pool has taken: a preempted request comes back
         # with a fresh state and must not add its text twice (LRU-bounded; ids are unique)
         self._fed: OrderedDict[str, int] = OrderedDict()
@@ -251,6 +273,11 @@ class LookaheadProposer(Proposer):
     def state_nbytes(self, req_id: str) -> int:
         st = self.states.get(req_id)
         return st.nbytes() if st is not None else 0
+
+    def summary(self) -> dict:
+        if self.shared is None:
+            return {}
+        return {"shared_pool": {"contexts": len(self.shared), "cap": self.shared.cap}}   # bounded, never freed
 
     # ---- observe ---------------------------------------------------------------------------
     def observe(self, st: _State, req: RequestStep) -> None:
@@ -359,7 +386,7 @@ class LookaheadProposer(Proposer):
     # ---- propose ---------------------------------------------------------------------------
     def propose_one(self, st: _State, req: RequestStep, k: int) -> "list[int] | DraftTree":
         if self.tree and req.tree_ok:
-            return self._propose_tree(st, req, k)
+            return self.propose_tree(st, req, k)
         t = req.token_ids
         ctx = t[-max(self.pl_max, 1):].tolist()
         srcs: list[int] = []
@@ -376,6 +403,10 @@ class LookaheadProposer(Proposer):
                 if not 0 <= x < self.vocab_size:
                     return drafts[:i]
         return drafts[:k]
+
+    def chain(self, st: _State, t: np.ndarray, k: int) -> list[int]:
+        """The chain form's chain over text `t`, without the Jacobi window (a cascade's level 0)."""
+        return self._chain(st, t, t[-max(self.pl_max, 1):].tolist(), k)
 
     def _chain(self, st: _State, t: np.ndarray, ctx: list[int], k: int, srcs: list[int] | None = None,
                starts: list[int] | None = None) -> list[int]:
@@ -428,7 +459,7 @@ class LookaheadProposer(Proposer):
     # root (the paper's lookahead branch), 4 + r: the r-th other candidate (r >= 1). diverge: the
     # first node a candidate adds (depth 1, or where it leaves a shared prefix), which competes
     # with its siblings; else a continuation below the candidate's own node. A node's class is
-    # set by the first candidate inserted through it (insertion order of `_propose_tree`).
+    # set by the first candidate inserted through it (insertion order of `propose_tree`).
     # Index: (2 * source + (not diverge)) * _DEPTHS + min(depth, _DEPTHS) - 1.
     _DEPTHS = 4
     # prior acceptance rates of sources 0..4: (diverge, continuation)
@@ -559,7 +590,7 @@ class LookaheadProposer(Proposer):
                 gram.reverse()
                 add(tuple(gram))
 
-    def _propose_tree(self, st: _State, req: RequestStep, k: int, widths: "list[int] | None" = None,
+    def propose_tree(self, st: _State, req: RequestStep, k: int, widths: "list[int] | None" = None,
                       also: "dict | None" = None, subsets: "dict | None" = None) -> "DraftTree | list[int]":
         """The draft tree: candidates merged as a trie, each node scored with its estimated
         probability of acceptance, the best `min(tree_nodes, k)` nodes kept, in `shaped_tree`'s

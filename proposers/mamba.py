@@ -19,12 +19,35 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vllm_spec_plugins.proposers.base import Proposer, StepContext
+from vllm_spec_plugins.proposers.base import GOODPUT_HELP, BuildEnv, MethodConfig, Proposer, StepContext, key
+
+#: help text of a `model` key naming a Mamba drafter
+DRAFTER_HELP = ("Mamba drafter folder made by `python -m vllm_spec_plugins.drafters --drafter mamba`, or "
+                "'vllm_spec_plugins:smollm2-135m-instruct-mamba' (shipped)")
+
+
+@dataclass
+class MambaConfig(MethodConfig):
+    method = "mamba"
+    num_speculative_tokens: int = key(4, 1, 16, "draft chain length (k)")
+    model: str = key(None, help=DRAFTER_HELP)
+    goodput: bool = key(True, help=GOODPUT_HELP)
+
+    def drafter_folder(self) -> str | None:
+        return self.model
+
+    def build(self, env: BuildEnv) -> Proposer:
+        prop = MambaProposer(self.num_speculative_tokens, env.load_drafter(self.model), env.max_requests)
+        if self.goodput:
+            from .goodput import Goodput
+            return Goodput(prop)
+        return prop
 
 DEFAULTS = dict(kind="mamba", n_layers=2, d_state=64, head_dim=64, expand=2, d_conv=4, chunk=64,
                 n_heads=9, n_kv_heads=3, mlp=768, rope_theta=10000.0, eps=1e-5)
@@ -384,7 +407,7 @@ class MambaProposer(Proposer):
     Slot buffers (preallocated, grown by doubling): per layer and slot, k+1 snapshots of the conv
     window and SSM state. snapshot j = state after the request's first `ntok` tokens + its first j
     drafts. Each step, for all drafting rows at once: the state after all of a row's tokens but
-    the last (snapshot[accepted], or a short catch-up scan, see `_before_last`), then the last
+    the last (snapshot[accepted], or a short catch-up scan, see `before_last`), then the last
     token in, then k recurrent drafting steps (static shapes, no host sync inside the loop; ids
     and confidences stay on the device until one sync after it). Steps without drafts (budget 0)
     cost nothing: the next drafting step scans the tokens it missed from the last valid snapshot."""
@@ -398,8 +421,10 @@ class MambaProposer(Proposer):
     #: step) run as recurrent steps: the chunked scan pads them to a whole chunk
     STEP_SCAN = 4
 
-    def __init__(self, num_speculative_tokens: int, drafter: StateSpaceDrafter, max_requests: int = 8):
+    def __init__(self, num_speculative_tokens: int, drafter: StateSpaceDrafter, max_requests: int = 8,
+                 scratch_snapshots: int = 0):
         super().__init__(num_speculative_tokens)
+        self.scratch = scratch_snapshots          # snapshots past k a caller writes (a cascade's extra steps)
         self.kernel = drafter.step_kernel
         if drafter.cfg["kind"] != "mamba":
             raise ValueError("MambaProposer runs kind='mamba' drafters")
@@ -422,8 +447,8 @@ class MambaProposer(Proposer):
 
     @property
     def snapshots(self) -> int:
-        """Snapshots per slot: 0..k."""
-        return self.k + 1
+        """Snapshots per slot: 0..k, then `scratch` more."""
+        return self.k + 1 + self.scratch
 
     def _grow(self, n: int) -> None:
         k1, f32 = self.snapshots, torch.float32
@@ -492,7 +517,7 @@ class MambaProposer(Proposer):
             for c, s in self.buf:
                 c[slot, 0], s[slot, 0] = c[slot, snap], s[slot, snap]
 
-    def _before_last(self, req, a: int | None = None) -> int:
+    def before_last(self, req, a: int | None = None) -> int:
         """Snapshot index, in the request's slot, of the drafter state after all its tokens but
         the last. Last step's drafts accepted: snapshot[accepted] (`a`: accepted tokens that are
         the drafter's own chain, default all accepted). Tokens the drafter has not seen (steps
@@ -511,7 +536,7 @@ class MambaProposer(Proposer):
             return 0
         return s
 
-    def _skip(self, req, a: int | None = None) -> None:
+    def skip(self, req, a: int | None = None) -> None:
         """A step without drafts for this request: keep the state of what was accepted."""
         prev, a = self.ntok.get(req.req_id), req.num_accepted if a is None else a
         if prev is None or not a:
@@ -555,9 +580,9 @@ class MambaProposer(Proposer):
                 a = self._on_spine(req)
                 self.spine.pop(req.req_id, None)
             if i not in rows:
-                self._skip(req, a)
+                self.skip(req, a)
                 continue
-            snap.append(self._before_last(req, a))
+            snap.append(self.before_last(req, a))
             sel.append(i), slots.append(self.slots[req.req_id]), last.append(int(req.token_ids[-1]))
             self.ntok[req.req_id] = len(req.token_ids)
             self.last_snap[req.req_id] = depth - 1
@@ -577,7 +602,7 @@ class MambaProposer(Proposer):
             p, t = torch.softmax(self.d.logits(h), -1).topk(width, -1)
             t = self.d.draft_vocab[t]
             toks.append(t), probs.append(p)
-            if j + 1 < depth:   # the last draft is fed only if accepted, next step (`_before_last`)
+            if j + 1 < depth:   # the last draft is fed only if accepted, next step (`before_last`)
                 if kernel is not None:
                     h = self.d.step_into(t[:, 0], self.buf, sl, at[j], at[j + 1], kernel)
                 else:
@@ -624,6 +649,25 @@ class MambaProposer(Proposer):
             out[i] = (tokens, parents, scores)
             self.spine[ctx.requests[i].req_id] = [tj[0] for tj in tr]
         return out
+
+
+def target_embeddings(target_dir: str):
+    """(input embeddings, output head) of a target folder's safetensors; head = embeddings when tied."""
+    import glob
+    import os
+
+    from safetensors import safe_open
+    found = {}
+    for f in sorted(glob.glob(os.path.join(target_dir, "*.safetensors"))):
+        with safe_open(f, "pt") as fh:
+            for name in ("model.embed_tokens.weight", "lm_head.weight"):
+                if name in fh.keys():
+                    found[name] = fh.get_tensor(name)
+    if "model.embed_tokens.weight" not in found:
+        raise ValueError(f"the mamba drafter shares the target's embeddings, but {target_dir!r} has no "
+                         "model.embed_tokens.weight in its safetensors")
+    emb = found["model.embed_tokens.weight"]
+    return emb, found.get("lm_head.weight", emb).float()
 
 
 def load_drafter(path, embed: torch.Tensor, head: torch.Tensor,

@@ -7,6 +7,7 @@ that finish, abort or are preempted are reported in the next context and drop ou
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -14,7 +15,7 @@ import numpy as np
 
 from vllm_spec_plugins.scorers.tree import is_chain
 
-from .base import Proposer, RequestStep, StepContext
+from .base import BuildEnv, MethodConfig, Proposer, RequestStep, StepContext, key
 
 TargetFn = Callable[[tuple], int]
 
@@ -223,8 +224,8 @@ class OracleProposer(Proposer):
         super().__init__(k)
         self.by_id: dict[str, list[int]] = {}
         self.by_prompt: dict[tuple, list[int]] = {}
-        for key, out in (references or {}).items():
-            self.add_reference(key, out)
+        for prompt, out in (references or {}).items():
+            self.add_reference(prompt, out)
 
     def add_reference(self, key: str | Sequence[int], output: Sequence[int]) -> None:
         out = [int(x) for x in output]
@@ -495,3 +496,87 @@ def pair_table_target(vocab_size: int = 50, seed: int = 0, noise: float = 0.1, s
         return T[t[-2]][t[-1]]
 
     return f
+
+
+# ---- test-only methods, served when the tests register them (`register`) ------------------------
+_REFS_HELP = "JSON file: [[prompt_ids, output_ids], ...]"
+
+
+@dataclass
+class OracleConfig(MethodConfig):
+    """Drafts from a reference file {prompt ids -> plain greedy output ids}."""
+    method = "oracle"
+    num_speculative_tokens: int = key(4, 1, 64, "draft chain length / tree node budget")
+    references: str = key(None, help=_REFS_HELP)
+    tree_nodes: int = key(0, 0, 64, "0: chain drafts; else a random tree of this many nodes")
+    tree_depth: int = key(3, 1, 64, "depth of the true branch hidden in the tree")
+    check_hidden_states: bool = key(False, help="check the target hidden states handed to the proposer")
+
+    def check(self) -> None:
+        if self.tree_nodes and not self.tree_depth <= self.tree_nodes <= self.num_speculative_tokens:
+            raise ValueError("speculative_config: need tree_depth <= tree_nodes <= num_speculative_tokens")
+        if self.references and not os.access(self.references, os.R_OK):
+            raise ValueError(f"speculative_config.references={self.references!r} does not exist or is not readable")
+
+    @property
+    def needs_target(self) -> bool:
+        return self.check_hidden_states
+
+    @property
+    def uses_trees(self) -> bool:
+        return bool(self.tree_nodes)
+
+    def build(self, env: BuildEnv) -> Proposer:
+        k, vocab = self.num_speculative_tokens, env.vocab_size
+        refs = load_references(self.references) if self.references else {}
+        adversarial = self.method == "adversarial"
+        if getattr(self, "cycle", None):
+            return AlternatingStepTimer({str(n): AdversarialProposer(n, refs, vocab_size=vocab) if n else None
+                                         for n in self.cycle})
+        if getattr(self, "alternate", False):
+            return AlternatingStepTimer({
+                "chain": AdversarialProposer(k, references=refs, vocab_size=vocab),
+                "tree": OracleTreeProposer(k, refs, self.tree_nodes, self.tree_depth, vocab or 2, adversarial=True)})
+        if self.tree_nodes:
+            prop = OracleTreeProposer(k, refs, self.tree_nodes, self.tree_depth, vocab or 2, adversarial=adversarial)
+        elif adversarial:
+            prop = AdversarialProposer(k, references=refs, vocab_size=vocab)
+        else:
+            prop = OracleProposer(k, references=refs)
+        if self.check_hidden_states:
+            from .mamba import target_embeddings
+            prop = HiddenStateProbe(prop, target_embeddings(env.target)[1])
+        return prop
+
+
+@dataclass
+class AdversarialConfig(OracleConfig):
+    """Drafts wrong tokens on purpose (or a reference's, then wrong ones)."""
+    method = "adversarial"
+    references: str = key("", help=_REFS_HELP + "; empty: draft token vocab-1 (wrong unless the target emits it)")
+    alternate: bool = key(False, help="bench: alternate a chain of num_speculative_tokens and a tree of tree_nodes "
+                          "every step, timing each kind of verification step")
+    cycle: list = key([], help="bench: chain lengths (0 = no drafts) drafted in turn, one per step, timing the "
+                      "steps that verify each")
+
+    def check(self) -> None:
+        super().check()
+        c, k = self.cycle, self.num_speculative_tokens
+        if c and not (len(c) >= 2 and len(set(c)) == len(c) and all(
+                isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= k for x in c)):
+            raise ValueError(f"speculative_config.cycle={c!r}: give >= 2 distinct chain lengths, "
+                             f"each 0..num_speculative_tokens={k}")
+        if self.alternate and not self.tree_nodes:
+            raise ValueError("speculative_config.alternate needs tree_nodes (the tree it alternates with the chain)")
+
+
+#: set in the environment of every vLLM process that should serve the test-only methods (the
+#: tests' conftest, the benchmark's `--draft-cost`); the plugin's `register()` reads it
+TEST_METHODS_ENV = "VLLM_SPEC_PLUGINS_TEST_METHODS"
+
+
+def register() -> None:
+    """Adds `oracle` and `adversarial` to the served methods (tests and timing tools only)."""
+    from vllm_spec_plugins.proposers import register_method
+    register_method("oracle", f"{__name__}:OracleConfig")
+    register_method("adversarial", f"{__name__}:AdversarialConfig")

@@ -161,6 +161,11 @@ def method_configs(args, model: str) -> dict:
         out["draft_cost"] = {"method": "adversarial", "num_speculative_tokens": max(lengths), "cycle": lengths}
     if "plain" not in out:
         out = {"plain": None, **out}
+    if any(isinstance(c, dict) and c.get("method") in ("oracle", "adversarial") for c in out.values()):
+        # the timing methods (`adversarial`), here and in every engine process this run starts
+        from vllm_spec_plugins.proposers import testing
+        os.environ[testing.TEST_METHODS_ENV] = "1"
+        testing.register()
     for name in args.sweep:
         spec = out.get(name)
         if not spec or spec.get("method") != "bandit_tree":
@@ -194,11 +199,7 @@ def draft_lengths(text: str) -> list[int]:
 
 def bandit_family(spec: dict) -> list[tuple]:
     from vllm_spec_plugins.config import resolve_shipped_drafter, validate
-    from vllm_spec_plugins.proposers.bandit import shape_family
-    p = validate(resolve_shipped_drafter(spec))
-    if p["shapes"]:
-        return [tuple(x) for x in p["shapes"]]
-    return shape_family(p["max_depth"], p["max_width"], p["node_budget"], p["backoff"])
+    return validate(resolve_shipped_drafter(spec)).family()
 
 
 def shape_name(shape) -> str:
@@ -473,7 +474,7 @@ def git_state(repo: str = REPO) -> dict | None:
     if not sha:
         return None
     changed = (_cmd(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo) or "").splitlines()
-    return {"sha": sha.strip(), "dirty": bool(changed), "changed": [l[3:] for l in changed][:50]}
+    return {"sha": sha.strip(), "dirty": bool(changed), "changed": [line[3:] for line in changed][:50]}
 
 
 def host_record(argv: list | None = None) -> dict:
@@ -573,7 +574,7 @@ def warn_memory(engines: int, meminfo: str = "/proc/meminfo") -> bool:
     """--interleave keeps every engine up at once: say so before minutes of start-up end in
     vLLM's "available memory ... less than requested" on the last engine. True if warned."""
     try:
-        avail = next(int(l.split()[1]) for l in open(meminfo) if l.startswith("MemAvailable:")) / 2**20
+        avail = next(int(x.split()[1]) for x in open(meminfo) if x.startswith("MemAvailable:")) / 2**20
     except (OSError, StopIteration, ValueError):
         return False
     if engines * ENGINE_GIB <= avail:

@@ -15,8 +15,7 @@ import torch
 
 
 def measure(path: str, target: str, contexts: list[int], k: int, repeats: int) -> list[dict]:
-    from vllm_spec_plugins.proposer import target_embeddings
-    from vllm_spec_plugins.proposers.mamba import load_drafter
+    from vllm_spec_plugins.proposers.mamba import load_drafter, target_embeddings
     d = load_drafter(path, *target_embeddings(target))
     V = d.embed.shape[0]
     g = torch.Generator().manual_seed(0)

@@ -3,13 +3,18 @@ import os
 # Before anything imports vLLM: in-process engines, one thread, a small KV cache.
 for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
              "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-             "TOKENIZERS_PARALLELISM": "false"}.items():
+             "TOKENIZERS_PARALLELISM": "false",
+             # the test-only methods `oracle` and `adversarial`, in this process and every vLLM
+             # process it starts (the plugin's register() reads it)
+             "VLLM_SPEC_PLUGINS_TEST_METHODS": "1"}.items():
     os.environ.setdefault(k, v)
 
 import pytest  # noqa: E402
 
 
 def pytest_configure(config):
+    from vllm_spec_plugins.proposers import testing
+    testing.register()
     config.addinivalue_line("markers", "slow: long end-to-end suites (run with -m slow)")
     config.addinivalue_line("markers", "network: needs PyPI (downloads the newest vLLM source)")
 

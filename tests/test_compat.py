@@ -10,6 +10,7 @@ import zipfile
 import pytest
 
 from vllm_spec_plugins import _compat
+from vllm_spec_plugins import config as cfg
 
 
 def test_installed_vllm_has_every_symbol():
@@ -194,9 +195,10 @@ def test_unverified_platform_is_refused_before_engine_start(monkeypatch):
 
 
 def test_refusal_reaches_the_user_through_engine_args(tiny_model, monkeypatch):
-    import vllm_spec_plugins
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
+
+    import vllm_spec_plugins
     vllm_spec_plugins.register()
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     ea = EngineArgs(model=tiny_model, dtype="float32", max_model_len=512,
@@ -208,13 +210,14 @@ def test_refusal_reaches_the_user_through_engine_args(tiny_model, monkeypatch):
 def test_requests_carry_their_tenant_to_the_worker():
     """The worker sees no cache_salt: the engine core puts a digest of it into extra_args, where
     the proposer reads it as RequestStep.tenant (lookahead's shared pool keys by it)."""
-    import vllm_spec_plugins
     from vllm import SamplingParams
     from vllm.v1.request import Request
+
+    import vllm_spec_plugins
     vllm_spec_plugins.register()
     a = Request("a", [1, 2], SamplingParams(extra_args={"category": "chat"}), None, cache_salt="tenant-1")
     b = Request("b", [1, 2], SamplingParams(), None, cache_salt="tenant-2")
     c = Request("c", [1, 2], SamplingParams(), None)
-    ta, tb = (r.sampling_params.extra_args[_compat.TENANT_KEY] for r in (a, b))
+    ta, tb = (r.sampling_params.extra_args[cfg.TENANT_KEY] for r in (a, b))
     assert ta != tb and "tenant-1" not in ta and a.sampling_params.extra_args["category"] == "chat"
-    assert _compat.TENANT_KEY not in (c.sampling_params.extra_args or {})
+    assert cfg.TENANT_KEY not in (c.sampling_params.extra_args or {})

@@ -53,10 +53,11 @@ def test_bandit_tree_reaches_vllm_config(tiny_model):
     assert vc.speculative_config.method == "custom_class"
     assert vc.speculative_config.num_speculative_tokens == 12
     p = vc.additional_config[cfg.ADDITIONAL_KEY]
-    assert (p["node_budget"], p["max_depth"], p["discount"], p["scope"]) == (12, 4, 0.99, "field:category")
+    assert (p["node_budget"], p["max_depth"], p["discount"], p["scope"]) == (0, 4, 0.99, "field:category")
     from vllm_spec_plugins.proposer import build_proposer
     impl = build_proposer(p)
     assert impl.shapes == [(), (1, 1), (3, 1, 1)] and impl.scope == "field:category"
+    assert impl.lookahead.tree_nodes == 12                 # node_budget 0 = num_speculative_tokens
 
 
 def test_vllm_methods_unchanged(tiny_model):
@@ -119,9 +120,10 @@ def test_spec_method_flag(tiny_model):
 def test_register_idempotent_and_version_guard():
     import warnings
 
+    from vllm.engine.arg_utils import EngineArgs
+
     import vllm_spec_plugins
     from vllm_spec_plugins import _compat
-    from vllm.engine.arg_utils import EngineArgs
     vllm_spec_plugins.register()
     f = EngineArgs.create_speculative_config
     vllm_spec_plugins.register()
@@ -134,25 +136,6 @@ def test_register_idempotent_and_version_guard():
     assert len(w) == 1 and "0.40.1" in str(w[0].message) and "0.32.0" in str(w[0].message)
     with pytest.raises(_compat.UnsupportedVllmError, match="0.31.0"):
         _compat.check_version("0.31.0", strict=True)
-
-
-def test_check_drafter(tiny_model, tmp_path):
-    """Drafter folders (for the model-based methods): missing, unreadable, other tokenizer."""
-    import json
-    import shutil
-    cfg.check_drafter(tiny_model, tiny_model)                       # same tokenizer: fine
-    with pytest.raises(ValueError, match="drafter.*does not exist"):
-        cfg.check_drafter(str(tmp_path / "nope"), tiny_model)
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    with pytest.raises(ValueError, match="drafter.*config.json"):
-        cfg.check_drafter(str(empty), tiny_model)
-    other = tmp_path / "other"
-    shutil.copytree(tiny_model, other)
-    c = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**c, "vocab_size": c["vocab_size"] + 64}))
-    with pytest.raises(ValueError, match="drafter.*tokenizer.*vocab_size"):
-        cfg.check_drafter(str(other), tiny_model)
 
 
 def test_mamba_drafter_checked_before_start(tiny_model, tiny_mamba_drafter, tmp_path):
@@ -202,3 +185,23 @@ def test_bandit_tree_mamba_drafter_reaches_vllm_config_and_is_checked(tiny_model
     with pytest.raises(ValueError, match="another tokenizer|hidden states of size"):
         engine_config(tiny_model, {"method": "bandit_tree", "drafter": "mamba",
                                    "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"})
+
+
+@pytest.mark.parametrize("method", sorted(set(cfg.METHODS) - set(cfg.TEST_ONLY)))
+def test_served_config_is_the_proposer_config(method, tiny_model, tiny_mamba_drafter):
+    """A method's defaults live in its typed config alone: what `{"method": M}` serves is what a
+    test builds from `ConfigClass()`, and the proposer the engine builds holds exactly it."""
+    from vllm_spec_plugins.proposer import build_proposer
+    from vllm_spec_plugins.proposers import config_class
+    from vllm_spec_plugins.proposers.goodput import Goodput
+    extra = {"model": tiny_mamba_drafter} if method in ("mamba", "cascade") else {}
+    params = engine_config(tiny_model, {"method": method, **extra}).additional_config[cfg.ADDITIONAL_KEY]
+    served = cfg.from_params(params)
+    assert served == config_class(method)(**extra)
+    assert params["num_speculative_tokens"] == config_class(method).keys()["num_speculative_tokens"].default
+    impl = build_proposer(params)
+    assert isinstance(impl, Goodput) == bool(getattr(served, "goodput", False) and not served.uses_trees)
+    inner = impl.inner if isinstance(impl, Goodput) else impl
+    assert inner.k == served.num_speculative_tokens
+    if hasattr(inner, "cfg"):
+        assert inner.cfg == served

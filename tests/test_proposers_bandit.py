@@ -5,8 +5,15 @@ import random
 import numpy as np
 import pytest
 
-from vllm_spec_plugins.proposers.bandit import (BanditTreeProposer, DiscountedUCB, batch_bucket,
-                                                 greedy_tokens, shape_family, shape_name)
+from vllm_spec_plugins.proposers.bandit import (
+    BanditTreeConfig,
+    BanditTreeProposer,
+    DiscountedUCB,
+    batch_bucket,
+    greedy_tokens,
+    shape_family,
+    shape_name,
+)
 from vllm_spec_plugins.proposers.testing import ToyEngine, greedy, pair_table_target
 
 
@@ -73,7 +80,7 @@ def test_shaped_tree_respects_widths_and_is_lossless():
     V = 50
     f = pair_table_target(V, 3, 0.1, branching=3)
     for shape in [(1, 1, 1, 1), (2, 1, 1), (4, 2, 1, 1, 1, 1), (3, 3, 3)]:
-        p = BanditTreeProposer(16, shapes=[shape], vocab_size=V)
+        p = BanditTreeProposer(BanditTreeConfig(16, shapes=[shape]), vocab_size=V)
         eng = ToyEngine(p, f, vocab_size=V)
         seen = []
         orig = p.propose
@@ -118,7 +125,7 @@ def test_shaped_tree_puts_best_path_first():
 
 def test_no_speculation_arm_drafts_nothing_and_stays_lossless():
     f = pair_table_target(50, 0, 0.1)
-    p = BanditTreeProposer(8, shapes=[[]], vocab_size=50)
+    p = BanditTreeProposer(BanditTreeConfig(8, shapes=[[]]), vocab_size=50)
     eng = ToyEngine(p, f, vocab_size=50)
     eng.add("r", list(range(10)), 60)
     while eng.reqs:
@@ -170,7 +177,7 @@ def test_drafters_prompt_scan_is_not_an_arms_cost():
     f = pair_table_target(50, 5, 0.05, branching=3)
     prompts = [np.random.default_rng(s).integers(0, 50, 24).tolist() for s in range(3)]
     clock = CostClock(1.0, 0.01)
-    p = BanditTreeProposer(8, shapes=[[1], [2, 1]], clock=clock, vocab_size=50, drafter=d)
+    p = BanditTreeProposer(BanditTreeConfig(8, shapes=[[1], [2, 1]]), clock=clock, vocab_size=50, drafter=d)
     scan = p.mamba._scan_from
 
     def costly_scan(req_id, tokens, snap):
@@ -190,15 +197,15 @@ def test_lookahead_pools_prompt_indexing_is_not_an_arms_cost():
     f = pair_table_target(50, 5, 0.05, branching=3)
     prompts = [np.random.default_rng(s).integers(0, 50, 24).tolist() for s in range(3)]
     clock = CostClock(1.0, 0.01)
-    p = BanditTreeProposer(8, shapes=[[1], [2, 1]], clock=clock, vocab_size=50)
-    index, charged = p._index_text, []
+    p = BanditTreeProposer(BanditTreeConfig(8, shapes=[[1], [2, 1]]), clock=clock, vocab_size=50)
+    index, charged = p.lookahead._index_text, []
 
     def costly_index(st, t, req_id):
         if st.seen == 0:
             clock.t += 100.0          # a long prompt: 100 steps' worth
             charged.append(req_id)
         return index(st, t, req_id)
-    p._index_text = costly_index
+    p.lookahead._index_text = costly_index
     run_bandit(p, clock, f, prompts, 40)
     assert len(charged) == 3
     assert p.history and max(s for *_, s in p.history) < 10.0
@@ -211,21 +218,21 @@ def test_backed_off_requests_cost_the_lookahead_pool_nothing():
     it drafts again its text is indexed from where it left off, and the output stays exact."""
     f = pair_table_target(50, 5, 0.05, branching=3)
     prompts = [np.random.default_rng(s).integers(0, 50, 24).tolist() for s in range(3)]
-    for shapes, none_only in (([[]], True), (None, False)):
+    for shapes, none_only in (([[]], True), ([], False)):
         clock = CostClock(1.0, 0.01)
-        p = BanditTreeProposer(16, shapes=shapes, clock=clock, vocab_size=50)
-        calls, observe = [], p.observe
-        p.observe = lambda st, req: (calls.append(req.req_id), observe(st, req))[1]
+        p = BanditTreeProposer(BanditTreeConfig(16, shapes=shapes), clock=clock, vocab_size=50)
+        calls, observe = [], p.lookahead.observe
+        p.lookahead.observe = lambda st, req: (calls.append(req.req_id), observe(st, req))[1]
         run_bandit(p, clock, f, prompts, 60)
         assert (len(calls) == 0) == none_only, len(calls)
     # a request that drafts after a stretch backed off sees its whole text in the pool
     clock = CostClock(1.0, 0.01)
-    p = BanditTreeProposer(16, shapes=[[], [1, 1]], clock=clock, vocab_size=50)
+    p = BanditTreeProposer(BanditTreeConfig(16, shapes=[[], [1, 1]]), clock=clock, vocab_size=50)
     eng = ToyEngine(p, f, vocab_size=50)
     eng.add("r", prompts[0], 80)
     drafted = []
     while eng.reqs:
-        st = p.states.get("r")
+        st = p.lookahead.states.get("r")
         clock.charge(out := eng.step())
         if out and len(out[0]) and st is not None:
             drafted.append(st.seen == len(eng.reqs["r"].tokens) if "r" in eng.reqs else True)
@@ -239,19 +246,19 @@ def test_bandit_speculates_when_cheap_and_backs_off_when_costly():
     prompts = [np.random.default_rng(s).integers(0, 50, 24).tolist() for s in range(4)]
     # verification nearly free (batch 1 on a big model): speculation must win
     clock = CostClock(1.0, 0.01)
-    p = BanditTreeProposer(16, clock=clock, vocab_size=50)
+    p = BanditTreeProposer(BanditTreeConfig(16), clock=clock, vocab_size=50)
     run_bandit(p, clock, f, prompts, 400)
     share = chosen(p, skip=200)
     assert share.get("none", 0) < 0.1, share
     # every drafted token costs three plain steps (a saturated batch): back off, and end up no
     # slower than never speculating
     clock = CostClock(1.0, 3.0)
-    p = BanditTreeProposer(16, clock=clock, vocab_size=50)
+    p = BanditTreeProposer(BanditTreeConfig(16), clock=clock, vocab_size=50)
     run_bandit(p, clock, f, prompts, 1200)
     share = chosen(p, skip=100)
     assert share["none"] > 0.8, share
     none_clock = CostClock(1.0, 3.0)
-    run_bandit(BanditTreeProposer(16, shapes=[[]], clock=none_clock, vocab_size=50), none_clock, f, prompts, 1200)
+    run_bandit(BanditTreeProposer(BanditTreeConfig(16, shapes=[[]]), clock=none_clock, vocab_size=50), none_clock, f, prompts, 1200)
     assert clock.t <= 1.08 * none_clock.t, (clock.t, none_clock.t)   # exploration included
     assert "none" in p.describe() and p.inspect()["tables"]
 
@@ -276,8 +283,8 @@ def test_bandit_matches_best_fixed_shape_in_hindsight():
         p.clock = clock
         eng = run_bandit(p, clock, f, prompts, 1200)
         return sum(len(r.out) for r in eng.done.values()) / sum(r.steps for r in eng.done.values()), clock.t
-    fixed = {s: run(BanditTreeProposer(16, shapes=[list(s)], vocab_size=50)) for s in shape_family(6, 4, 16)}
-    tau, seconds = run(BanditTreeProposer(16, vocab_size=50))
+    fixed = {s: run(BanditTreeProposer(BanditTreeConfig(16, shapes=[list(s)]), vocab_size=50)) for s in shape_family(6, 4, 16)}
+    tau, seconds = run(BanditTreeProposer(BanditTreeConfig(16), vocab_size=50))
     assert tau > 2.5, (tau, fixed)          # it speculates deep (fixed: none 1.0, depth 2 <= 2.6)
     assert seconds <= 1.05 * min(sec for _, sec in fixed.values()), (seconds, fixed)
 
@@ -286,14 +293,14 @@ def test_scopes_keep_separate_tables_and_free_per_request_state():
     f = pair_table_target(50, 2, 0.1)
     prompts = [np.random.default_rng(s).integers(0, 50, 16).tolist() for s in range(4)]
     clock = CostClock(1.0, 0.05)
-    p = BanditTreeProposer(8, clock=clock, scope="field:category", vocab_size=50)
+    p = BanditTreeProposer(BanditTreeConfig(8, scope="field:category"), clock=clock, vocab_size=50)
     run_bandit(p, clock, f, prompts, 50, tags=[{"category": c} for c in ("chat", "code", "chat", None)])
     assert {k for k, _ in p.tables} == {"chat", "code", "global"}
     clock = CostClock(1.0, 0.05)
-    p = BanditTreeProposer(8, clock=clock, scope="request", vocab_size=50)
+    p = BanditTreeProposer(BanditTreeConfig(8, scope="request"), clock=clock, vocab_size=50)
     eng = run_bandit(p, clock, f, prompts, 50)
     eng.flush()
-    assert p.tables == {} and p.states == {} and p.pending == {}
+    assert p.tables == {} and p.lookahead.states == {} and p.pending == {}
 
 
 def test_field_scope_tables_are_bounded(monkeypatch):
@@ -303,7 +310,7 @@ def test_field_scope_tables_are_bounded(monkeypatch):
     f = pair_table_target(50, 2, 0.1)
     prompts = [np.random.default_rng(s).integers(0, 50, 16).tolist() for s in range(10)]
     clock = CostClock(1.0, 0.05)
-    p = BanditTreeProposer(8, clock=clock, scope="field:user", vocab_size=50)
+    p = BanditTreeProposer(BanditTreeConfig(8, scope="field:user"), clock=clock, vocab_size=50)
     run_bandit(p, clock, f, prompts, 20, tags=[{"user": f"u{i}"} for i in range(10)])
     sizes = []
     orig = p.propose
@@ -316,8 +323,17 @@ def test_field_scope_tables_are_bounded(monkeypatch):
 @pytest.mark.parametrize("kwargs", [dict(node_budget=20), dict(shapes=[[0, 1]]), dict(shapes=[[8, 8, 8]]),
                                     dict(scope="field:"), dict(discount=0.0), dict(max_depth=17)])
 def test_validation(kwargs):
-    with pytest.raises(ValueError, match="bandit_tree"):
-        BanditTreeProposer(16, **kwargs)
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        BanditTreeConfig(16, **kwargs)
+
+
+def test_served_defaults_are_the_config_defaults():
+    """What a test builds from `BanditTreeConfig()` is what `{"method": "bandit_tree"}` serves."""
+    from vllm_spec_plugins.config import validate
+    assert validate({"method": "bandit_tree"}) == BanditTreeConfig()
+    p = BanditTreeProposer(BanditTreeConfig())
+    assert (p.k, p.lookahead.tree_nodes, p.lookahead.window, p.lookahead.ngram) == (16, 16, 6, 4)
+    assert p.shapes == shape_family(6, 4, 16) and p.lookahead.shared.cap == 65536
 
 
 def test_side_observations_are_exact_for_sub_shapes():
@@ -326,7 +342,7 @@ def test_side_observations_are_exact_for_sub_shapes():
     f = pair_table_target(50, 1, 0.1)
     prompt = np.random.default_rng(3).integers(0, 50, 24).tolist()
     clock = CostClock(1.0, 0.01)
-    p = BanditTreeProposer(8, shapes=[[], [1], [1, 1, 1, 1]], clock=clock, vocab_size=50)
+    p = BanditTreeProposer(BanditTreeConfig(8, shapes=[[], [1], [1, 1, 1, 1]]), clock=clock, vocab_size=50)
     table = p.table(("global", 1))
     table.choose = lambda price, allowed=None, w=None: 2    # always pull the depth-4 chain
     eng = ToyEngine(p, f, vocab_size=50)
@@ -338,8 +354,7 @@ def test_side_observations_are_exact_for_sub_shapes():
     assert table.pulls[0] <= table.pulls[2] / 20    # only the plain steps that keep the cost's jump measured
     assert table.ntok[0] > 0 and table.ntok[1] > 0                  # tokens seen, never pulled
     # discount 1: the side observations' means are exact counts from the verified chains
-    p2 = BanditTreeProposer(8, shapes=[[], [1], [1, 1, 1, 1]], clock=CostClock(1.0, 0.01), discount=1.0,
-                            vocab_size=50)
+    p2 = BanditTreeProposer(BanditTreeConfig(8, shapes=[[], [1], [1, 1, 1, 1]], discount=1.0), clock=CostClock(1.0, 0.01), vocab_size=50)
     t2 = p2.table(("global", 1))
     t2.choose = lambda price, allowed=None, w=None: 2
     eng = ToyEngine(p2, f, vocab_size=50)
@@ -358,7 +373,7 @@ def test_bandit_learns_under_continuous_traffic():
     exploring forever."""
     f = pair_table_target(50, 5, 0.05, branching=3)
     clock = CostClock(1.0, 3.0)
-    p = BanditTreeProposer(16, clock=clock, vocab_size=50)
+    p = BanditTreeProposer(BanditTreeConfig(16), clock=clock, vocab_size=50)
     eng = ToyEngine(p, f, vocab_size=50)
     rng = np.random.default_rng(0)
     prompts = {}
@@ -381,7 +396,6 @@ def test_mamba_drafter_trees_follow_shapes_stay_lossless_and_siblings_pay():
     a tree with siblings at each depth needs fewer steps than the drafter's chain (accepted
     siblings roll the drafter's state back correctly, or the chain after them would miss)."""
     import torch
-
     from test_proposers_mamba import V, drafter
     d = drafter()
     second = np.random.default_rng(4).random(256) < 0.3     # positions where the target differs
@@ -396,7 +410,7 @@ def test_mamba_drafter_trees_follow_shapes_stay_lossless_and_siblings_pay():
     want = greedy(target, prompt, 80)
     steps = {}
     for shape in [(1, 1, 1, 1), (2, 2, 2, 1), (3, 1, 1)]:
-        p = BanditTreeProposer(8, shapes=[shape], vocab_size=V, drafter=d)
+        p = BanditTreeProposer(BanditTreeConfig(8, shapes=[shape]), vocab_size=V, drafter=d)
         eng = ToyEngine(p, target, vocab_size=V)
         seen = []
         orig = p.propose
@@ -416,7 +430,7 @@ def test_mamba_drafter_trees_follow_shapes_stay_lossless_and_siblings_pay():
             assert len(counts) <= len(shape) and all(c <= w for c, w in zip(counts, shape)), (shape, counts)
         steps[shape] = eng.done["r"].steps
         eng.step()                                   # the finished request is reported: state freed
-        assert not p.mamba.slots and not p.states
+        assert not p.mamba.slots and not p.lookahead.states
     assert steps[(2, 2, 2, 1)] < steps[(1, 1, 1, 1)], steps
 
 
@@ -450,7 +464,7 @@ def test_mamba_drafter_wider_arms_are_observed_exactly_in_greedy_steps():
             up, path = nxt, path + [target(path)]
         return len(path) - len(prefix) + 1
 
-    p = BanditTreeProposer(8, shapes=[[1, 1], [3, 1]], vocab_size=V, drafter=d, discount=1.0)
+    p = BanditTreeProposer(BanditTreeConfig(8, shapes=[[1, 1], [3, 1]], discount=1.0), vocab_size=V, drafter=d)
     table = p.table(("global", 1))
     table.choose = lambda price, allowed=None, w=None: 0     # always the chain
     seen, orig = [], p._counterfactual

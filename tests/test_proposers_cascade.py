@@ -7,7 +7,7 @@ import torch
 
 from tests.test_proposers_mamba import V, _kernel, _run, drafter
 from vllm_spec_plugins.proposers.base import RequestStep, StepContext
-from vllm_spec_plugins.proposers.cascade import CascadeProposer
+from vllm_spec_plugins.proposers.cascade import CascadeConfig, CascadeProposer
 
 
 def greedy_chain(d, tokens, n):
@@ -42,7 +42,7 @@ def test_cascade_hands_out_the_drafters_greedy_chain_and_keeps_level0_tokens(ker
         own = greedy_chain(d, p, 40)
         # every 7th token changed: rejections, so rollbacks to inner snapshots are exercised
         prompts[f"r{r}"], answers[f"r{r}"] = p, [t if j % 7 else (t + 1) % V for j, t in enumerate(own)]
-    prop = Checked(8, d, max_requests=1, drafter_steps=2)
+    prop = Checked(CascadeConfig(8, model="", drafter_steps=2, drafter_top_k=1), d, max_requests=1)
     acc, steps = _run(prop, d, prompts, answers)
     s = prop.stats
     assert sum(acc.values()) > 0
@@ -52,17 +52,17 @@ def test_cascade_hands_out_the_drafters_greedy_chain_and_keeps_level0_tokens(ker
     # some chains are longer than the drafter's own sequential budget (1 + drafter_steps)
     assert s["drafter_tokens"] > s["steps"] * 3 or s["target_drafts_level0"] > 0
     prop.propose(StepContext([], set(prompts), set(), 8))
-    assert not prop.slots and not prop.origin
+    assert not prop.mamba.slots and not prop.origin
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["torch", "c_step"])
 def test_cascade_recovers_from_preemption_and_single_token_prompts(kernel):
     d = drafter()
     d.step_kernel = _kernel(kernel)
-    prop = Checked(6, d, drafter_steps=3)
+    prop = Checked(CascadeConfig(6, model="", drafter_steps=3, drafter_top_k=1), d)
     prop.propose(StepContext([RequestStep("a", np.array([5]), [5], [])], set(), set(), 6))
     prop.propose(StepContext([], set(), {"a"}, 6))
-    assert not prop.slots
+    assert not prop.mamba.slots
     toks = np.array([5, 6, 7, 5, 6, 7, 5, 6])
     got = prop.propose(StepContext([RequestStep("a", toks, [6], [])], set(), set(), 6))[0]
     assert 4 <= len(got) <= 6
@@ -78,7 +78,7 @@ def test_drafter_top_k_keeps_more_level0_tokens():
         prompts[f"r{r}"], answers[f"r{r}"] = p, (p[6:12] * 5)[:30]
     kept = {}
     for top_k in (1, 8):
-        prop = CascadeProposer(8, d, drafter_steps=2, drafter_top_k=top_k)
+        prop = CascadeProposer(CascadeConfig(8, model="", drafter_steps=2, drafter_top_k=top_k), d)
         acc, _ = _run(prop, d, prompts, answers)
         kept[top_k] = (prop.stats["level0_kept"], prop.stats["target_accepted_level0"])
     assert kept[8][0] > kept[1][0] and kept[8][1] > kept[1][1], kept
@@ -88,7 +88,7 @@ def test_drafter_top_k_keeps_more_level0_tokens():
 def test_drafter_top_k_0_hands_the_whole_ngram_draft_on(kernel):
     d = drafter()
     d.step_kernel = _kernel(kernel)
-    prop = CascadeProposer(8, d, drafter_steps=2, drafter_top_k=0)
+    prop = CascadeProposer(CascadeConfig(8, model="", drafter_steps=2, drafter_top_k=0), d)
     toks = np.array([5, 6, 7, 8, 9, 5, 6])                      # n-gram continuation of "5 6": 7 8 9 5 6
     out = prop.propose(StepContext([RequestStep("a", toks, [6], [])], set(), set(), 8))[0]
     assert out[:5] == [7, 8, 9, 5, 6] and len(out) == 8
@@ -100,10 +100,11 @@ def test_lookahead_level_drafts_from_the_targets_outputs_and_the_shared_pool():
     """Level 0 = lookahead's chain form: an n-gram the target produced at a rejected position
     (its Jacobi pool) and text another request wrote (the shared pool) reach the target, where
     n-gram lookup in the request's own tokens has nothing."""
-    from vllm_spec_plugins.proposers.lookahead import LookaheadProposer
+    from vllm_spec_plugins.proposers.lookahead import LookaheadConfig, LookaheadProposer
     d = drafter()
-    la = LookaheadProposer(8, ngram=2, shared_pool=1024)
-    prop = CascadeProposer(8, d, drafter_steps=2, drafter_top_k=0, level0=la)
+    la = LookaheadProposer(LookaheadConfig(8, ngram=2, shared_pool=1024))
+    prop = CascadeProposer(CascadeConfig(8, model="", levels=["lookahead", "mamba"], drafter_steps=2,
+                                          drafter_top_k=0), d, level0=la)
     assert prop.needs_target_argmax
     ctx = lambda *reqs: StepContext(list(reqs), set(), set(), 8)
     toks = [20, 21, 22]
@@ -119,8 +120,8 @@ def test_lookahead_level_drafts_from_the_targets_outputs_and_the_shared_pool():
     assert z[0] == 31 and 31 not in toks
     # another request ending in "21 22" gets a's continuation from the shared pool
     prop.propose(StepContext([], {"a"}, set(), 8))
-    assert "a" not in la.states and not prop.slots
+    assert "a" not in la.states and not prop.mamba.slots
     w = prop.propose(ctx(RequestStep("b", np.array([40, 21, 22]), [22], [])))[0]
     assert w[:2] == [30, x[0]], w
-    plain = CascadeProposer(8, d, drafter_steps=2, drafter_top_k=0)
+    plain = CascadeProposer(CascadeConfig(8, model="", drafter_steps=2, drafter_top_k=0), d)
     assert plain.propose(ctx(RequestStep("b", np.array([40, 21, 22]), [22], [])))[0][:2] != [30, x[0]]

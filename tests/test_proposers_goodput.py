@@ -7,7 +7,7 @@ import torch
 
 from vllm_spec_plugins.proposers.base import Proposer, RequestStep, StepContext
 from vllm_spec_plugins.proposers.goodput import AcceptModel, Goodput, StepCost
-from vllm_spec_plugins.proposers.lookahead import LookaheadProposer
+from vllm_spec_plugins.proposers.lookahead import LookaheadConfig, LookaheadProposer
 from vllm_spec_plugins.proposers.testing import AdversarialProposer, OracleProposer, ToyEngine, greedy
 
 V = 1024
@@ -86,8 +86,8 @@ def test_step_cost_prices_context_apart_from_tokens():
     """A step's attention grows with its rows' context (`kv`: query tokens x context, in
     thousands): a long-context step with the same tokens costs more, and `fit(rows, context)`
     prices one more query token at that context. Without the term the same data are misfit."""
-    from vllm_spec_plugins.proposers.cost import KV_UNIT, attended
     from vllm_spec_plugins.proposers.base import RequestStep
+    from vllm_spec_plugins.proposers.cost import KV_UNIT, attended
     rng = np.random.default_rng(2)
     c, flat = StepCost(), StepCost()
     for i in range(800):
@@ -296,7 +296,7 @@ def test_a_costly_drafter_drafts_only_the_depths_that_pay():
 
 
 def test_lookahead_under_goodput_is_exact_and_frees_state():
-    prop, _ = run(lambda refs: LookaheadProposer(4, vocab_size=V), 6, 150, fixed=10.0, per_token=1.0,
+    prop, _ = run(lambda refs: LookaheadProposer(LookaheadConfig(4), vocab_size=V), 6, 150, fixed=10.0, per_token=1.0,
                   target=lambda t: (t[-1] * 7 + (t[-2] if len(t) > 1 else 0)) % 50)
     assert prop.inner.states == {} and prop.accept.req == {} and prop.sent == {}
     assert prop.goodput_stats["kept"] > 0
@@ -308,7 +308,7 @@ def test_lookahead_prompt_indexing_is_not_a_drafting_cost():
     leaves it out (here each prompt costs 500 fixed step costs; charged, it kept the drafter off)."""
     target = lambda t: (t[-1] * 7 + (t[-2] if len(t) > 1 else 0)) % 50
     clock = Clock(target, 10.0, 1.0)
-    inner = LookaheadProposer(4, vocab_size=V)
+    inner = LookaheadProposer(LookaheadConfig(4), vocab_size=V)
     index, firsts = inner._index_text, []
 
     def costly_index(st, t, req_id):
@@ -334,7 +334,7 @@ def test_lookahead_prompt_indexing_is_not_a_drafting_cost():
 
 
 def test_lookahead_classes_align_with_drafts():
-    p = LookaheadProposer(6, ngram=3)
+    p = LookaheadProposer(LookaheadConfig(6, ngram=3))
     text = [1, 2, 3, 4, 5, 1, 2, 3]
     ctx = StepContext([RequestStep("r", np.array(text), [3], [])])
     out = p.propose(ctx)

@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 from vllm_spec_plugins.proposers.base import Proposer, RequestStep, ngram_lookup
-from vllm_spec_plugins.proposers.lookahead import LookaheadProposer, NGramPool, SharedPool
-from vllm_spec_plugins.proposers.testing import (AdversarialProposer, OracleProposer, ToyEngine, greedy,
-                                                  simulate)
+from vllm_spec_plugins.proposers.lookahead import LookaheadConfig, LookaheadProposer, NGramPool, SharedPool
+from vllm_spec_plugins.proposers.testing import AdversarialProposer, OracleProposer, ToyEngine, greedy, simulate
 
 
 class PromptLookup(Proposer):
@@ -68,7 +67,7 @@ def test_pool_dedup_per_key_and_lru():
 def test_pool_cap_holds_over_4000_tokens():
     V, cap = 997, 256
     f = lambda t: (3 * t[-1] + 7 * t[-2] + 11) % V   # long period: a steady stream of new n-grams
-    p = LookaheadProposer(8, ngram=4, guesses=4, pool_cap=cap, vocab_size=V)
+    p = LookaheadProposer(LookaheadConfig(8, ngram=4, guesses=4, pool_cap=cap), vocab_size=V)
     eng = ToyEngine(p, f, vocab_size=V)
     eng.add("r", [1, 2, 3], 4000)
     sizes, nbytes = [], []
@@ -117,7 +116,7 @@ def test_shared_pool_carries_text_across_requests():
     a = greedy(f, [1, 2, 3], 400)
     taus = {}
     for cap in (0, 4096):
-        p = LookaheadProposer(8, ngram=4, shared_pool=cap, vocab_size=V)
+        p = LookaheadProposer(LookaheadConfig(8, ngram=4, shared_pool=cap), vocab_size=V)
         out_a, _, _ = simulate(p, f, [1, 2, 3], 400, req_id="a", vocab_size=V)
         out_b, steps, _ = simulate(p, f, a[100:103], 200, req_id="b", vocab_size=V)
         assert out_a == a and out_b == greedy(f, a[100:103], 200) and not p.states
@@ -133,7 +132,7 @@ def test_shared_pool_keeps_tenants_apart():
     a = greedy(f, [1, 2, 3], 400)
 
     def run(cap, tenant_a, tenant_b):
-        p = LookaheadProposer(8, ngram=4, shared_pool=cap, vocab_size=V)
+        p = LookaheadProposer(LookaheadConfig(8, ngram=4, shared_pool=cap), vocab_size=V)
         for rid, prompt, n, tenant in (("a", [1, 2, 3], 400, tenant_a), ("b", a[100:103], 200, tenant_b)):
             eng = ToyEngine(p, f, vocab_size=V)
             eng.add(rid, prompt, n, tenant=tenant)
@@ -157,7 +156,7 @@ def test_shared_pool_takes_a_preempted_requests_text_once():
     f = lambda t: (3 * t[-1] + 7 * t[-2] + 11) % V
     tabs = []
     for preempt_at in ((), (5, 12)):
-        p = LookaheadProposer(6, ngram=4, shared_pool=4096, vocab_size=V)
+        p = LookaheadProposer(LookaheadConfig(6, ngram=4, shared_pool=4096), vocab_size=V)
         eng = ToyEngine(p, f, vocab_size=V)
         eng.add("r", [1, 2, 3], 120)
         steps = 0
@@ -177,7 +176,7 @@ def test_shared_pool_takes_a_preempted_requests_text_once():
 def test_shared_pool_cap_holds_over_4000_tokens():
     V, cap = 997, 256
     f = lambda t: (3 * t[-1] + 7 * t[-2] + 11) % V
-    p = LookaheadProposer(8, ngram=4, shared_pool=cap, vocab_size=V)
+    p = LookaheadProposer(LookaheadConfig(8, ngram=4, shared_pool=cap), vocab_size=V)
     eng = ToyEngine(p, f, vocab_size=V)
     eng.add("r", [1, 2, 3], 4000)
     sizes, nbytes = [], []
@@ -200,7 +199,7 @@ def test_shared_pool_cap_holds_over_4000_tokens():
 def test_incremental_prompt_lookup_matches_ngram_lookup():
     rng = np.random.default_rng(0)
     t = rng.integers(0, 6, 400)
-    p = LookaheadProposer(5)
+    p = LookaheadProposer(LookaheadConfig(5))
     st = p.new_state(RequestStep("r", t[:1], [], []))
     for L in range(2, len(t)):
         p._index_text(st, t[:L], "r")
@@ -214,7 +213,7 @@ def test_jacobi_ngrams_are_aligned(ngram):
     # token" link is correct whatever came before, so a misaligned harvest shows up as a pool
     # n-gram that breaks f. Acceptances (window shifts) happen along the way.
     f, prompt = lcg_case()
-    p = LookaheadProposer(6, ngram=ngram, window=5)
+    p = LookaheadProposer(LookaheadConfig(6, ngram=ngram, window=5))
     eng = ToyEngine(p, f)
     eng.add("r", prompt, 150)
     seeds = set(prompt)
@@ -234,7 +233,7 @@ def test_recurrence_target_tau_and_lossless():
     f = fib(50)
     ref = greedy(f, [1, 1], 1000)
     for k in (4, 8):
-        out, steps, acc = simulate(LookaheadProposer(k), f, [1, 1], 1000, vocab_size=50)
+        out, steps, acc = simulate(LookaheadProposer(LookaheadConfig(k)), f, [1, 1], 1000, vocab_size=50)
         assert out == ref
         assert tau(out, steps) > 2.0
         assert len(acc) == steps - 1 and sum(acc[:-1]) + steps - 1 < len(out) <= sum(acc) + steps
@@ -248,11 +247,11 @@ def test_jacobi_ngrams_beat_prompt_lookup_on_non_repeating_text():
     out, steps, _ = simulate(PromptLookup(8), f, prompt, 300)
     assert out == ref and tau(out, steps) < 1.05
 
-    out, steps, _ = simulate(LookaheadProposer(8, ngram=3), f, prompt, 300)
+    out, steps, _ = simulate(LookaheadProposer(LookaheadConfig(8, ngram=3)), f, prompt, 300)
     assert out == ref and tau(out, steps) > 2.0
 
     # same proposer, engine without target argmax: no Jacobi n-grams -> no gain
-    eng = ToyEngine(LookaheadProposer(8, ngram=3), f, collect_argmax=False)
+    eng = ToyEngine(LookaheadProposer(LookaheadConfig(8, ngram=3)), f, collect_argmax=False)
     eng.add("r", prompt, 300)
     while eng.reqs:
         eng.step()
@@ -265,7 +264,7 @@ def test_bounds_and_determinism():
     f = lambda t: (t[-1] * 7 + t[-2] * 3 + len(t) % 5) % V
     runs = []
     for _ in range(2):
-        p = LookaheadProposer(5, window=3, ngram=3, guesses=2, pool_cap=64, vocab_size=V)
+        p = LookaheadProposer(LookaheadConfig(5, window=3, ngram=3, guesses=2, pool_cap=64), vocab_size=V)
         eng = ToyEngine(p, f, vocab_size=V)      # asserts len(drafts) <= k and 0 <= token < V
         eng.add("r", [1, 2, 3, 4], 300)
         drafts = []
@@ -275,7 +274,7 @@ def test_bounds_and_determinism():
         assert eng.done["r"].out == greedy(f, [1, 2, 3, 4], 300)
     assert runs[0] == runs[1]
     # k shrinking per step (engine budget): never more than the step's k
-    p = LookaheadProposer(6)
+    p = LookaheadProposer(LookaheadConfig(6))
     eng = ToyEngine(p, fib(50), k=2)
     eng.add("r", [1, 1], 200)
     while eng.reqs:
@@ -284,10 +283,10 @@ def test_bounds_and_determinism():
 
 def test_vocab_filter():
     prompt = [1, 50, 51, 1, 50, 51, 1]               # prompt holds out-of-vocab tokens
-    eng = ToyEngine(LookaheadProposer(4), lambda t: 1)
+    eng = ToyEngine(LookaheadProposer(LookaheadConfig(4)), lambda t: 1)
     eng.add("r", prompt, 5)
     assert 50 in eng.step()[0]                        # prompt lookup would draft them...
-    eng = ToyEngine(LookaheadProposer(4, vocab_size=10), lambda t: 1, vocab_size=10)
+    eng = ToyEngine(LookaheadProposer(LookaheadConfig(4), vocab_size=10), lambda t: 1, vocab_size=10)
     eng.add("r", prompt, 5)
     while eng.reqs:
         eng.step()                                    # ...the engine asserts 0 <= draft < 10
@@ -298,8 +297,10 @@ def test_vocab_filter():
 # ---------------------------------------------------------------------------------------------
 
 
+# Isolation tests turn the shared pool off: it shares text across requests by design (its own
+# tests below check its tenant and preemption rules).
 def _solo(prompt, steps, f):
-    p = LookaheadProposer(4, ngram=3)
+    p = LookaheadProposer(LookaheadConfig(4, ngram=3, shared_pool=0))
     eng = ToyEngine(p, f)
     eng.add("x", prompt, 10_000)
     return [eng.step()[0] for _ in range(steps)]
@@ -309,7 +310,7 @@ def test_state_isolation_reorder_finish_preempt():
     f = fib(50)
     pa, pb, pc = [1, 1], [3, 7], [2, 9]
     solo_a, solo_b = _solo(pa, 40, f), _solo(pb, 120, f)
-    p = LookaheadProposer(4, ngram=3)
+    p = LookaheadProposer(LookaheadConfig(4, ngram=3, shared_pool=0))
     eng = ToyEngine(p, f)
     eng.add("a", pa, 10_000)
     eng.add("b", pb, 10_000)
@@ -376,36 +377,45 @@ def test_oracle_matches_prompt_prefix_and_resume():
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(window=0), "window"), (dict(window=5), "window"),
+    (dict(window=-1), "window"), (dict(window=5), "window"),
     (dict(ngram=1), "ngram"), (dict(ngram=6), "ngram"),
     (dict(guesses=0), "guesses"), (dict(pool_cap=0), "pool_cap"),
-    (dict(guesses=9, pool_cap=8), "guesses"),
+    (dict(guesses=20, pool_cap=16), "guesses"),
     (dict(prompt_lookup_min=0), "prompt_lookup_min"),
     (dict(prompt_lookup_min=4, prompt_lookup_max=3), "prompt_lookup_min"),
     (dict(prompt_lookup_max=-1), "prompt_lookup_max"),
-    (dict(vocab_size=0), "vocab_size"), (dict(window=2.5), "window"),
-    (dict(shared_pool=-1), "shared_pool"),
+    (dict(window=2.5), "window"), (dict(shared_pool=-1), "shared_pool"),
+    (dict(tree="yes"), "tree"), (dict(tree=True, tree_nodes=5), "tree_nodes"),
+    (dict(tree=True, tree_nodes=-1), "tree_nodes"), (dict(num_speculative_tokens=0), "num_speculative_tokens"),
 ])
 def test_range_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        LookaheadProposer(4, **kwargs)
+        LookaheadConfig(**{"num_speculative_tokens": 4, **kwargs})
 
 
 def test_valid_edge_configs():
-    LookaheadProposer(1, window=1, ngram=2, guesses=1, pool_cap=1)
-    p = LookaheadProposer(4, prompt_lookup_max=0)        # prompt lookup disabled
-    out, _, _ = simulate(p, fib(50), [1, 1], 100)
-    assert out == greedy(fib(50), [1, 1], 100)
-    with pytest.raises(ValueError, match="num_speculative_tokens"):
-        LookaheadProposer(0)
+    for tree in (False, True):
+        p = LookaheadProposer(LookaheadConfig(1, window=1, ngram=2, guesses=1, pool_cap=16, prompt_lookup_max=1,
+                                              tree=tree, tree_nodes=1))
+        out, _, _ = simulate(p, fib(50), [1, 1], 100)
+        assert out == greedy(fib(50), [1, 1], 100)
+    with pytest.raises(ValueError, match="vocab_size"):
+        LookaheadProposer(LookaheadConfig(4), vocab_size=0)
+
+
+def test_served_defaults_are_the_config_defaults():
+    """What a test builds from `LookaheadConfig()` is what `{"method": "lookahead"}` serves."""
+    from vllm_spec_plugins.config import validate
+    assert validate({"method": "lookahead"}) == LookaheadConfig()
+    p = LookaheadProposer(LookaheadConfig())
+    assert (p.k, p.window, p.ngram, p.guesses, p.shared.cap) == (6, 6, 4, 7, 65536)
 
 
 # ---------------------------------------------------------------------------------------------
 # tree form (full lookahead: verification branch + Jacobi window in one draft tree)
 # ---------------------------------------------------------------------------------------------
 
-from vllm_spec_plugins.proposers.testing import (OracleTreeProposer, TreeToyEngine, pair_table_target,  # noqa: E402
-                                                  simulate_tree)
+from vllm_spec_plugins.proposers.testing import OracleTreeProposer, TreeToyEngine, pair_table_target, simulate_tree  # noqa: E402
 from vllm_spec_plugins.scorers import DraftTree  # noqa: E402
 
 
@@ -439,7 +449,7 @@ class _Spy(LookaheadProposer):
 
 def test_tree_engine_reports_and_oracle_tree():
     f = fib(50)
-    p = _Spy(f, 8, window=6, ngram=3, tree=True)
+    p = _Spy(f, LookaheadConfig(8, window=6, ngram=3, tree=True))
     eng = TreeToyEngine(p, f, vocab_size=50)
     eng.add("r", [1, 1], 300)
     while eng.reqs:
@@ -468,7 +478,7 @@ def test_tree_drafts_bounded_valid_lossless(cfg):
     lf, lprompt = lcg_case()
     for f, prompt, V, n in [(fib(50), [3, 7], 50, 250), (lf, lprompt, 1024, 150),
                             (pair_table_target(50, 1, 0.1), list(range(20)), 50, 200)]:
-        p = LookaheadProposer(k, tree=True, vocab_size=V, **cfg)
+        p = LookaheadProposer(LookaheadConfig(k, tree=True, **cfg), vocab_size=V)
         eng = TreeToyEngine(p, f, vocab_size=V, max_tree_nodes=tn)   # asserts <= k, <= tn, in vocab
         eng.add("r", prompt, n)
         while eng.reqs:
@@ -484,8 +494,8 @@ def test_tree_drafts_bounded_valid_lossless(cfg):
 
 
 def test_tree_k_shrinks_and_tree_nodes_default():
-    p = LookaheadProposer(6, tree=True)
-    assert p.tree_nodes == 6 and LookaheadProposer(6, tree=True, tree_nodes=0).tree_nodes == 6
+    p = LookaheadProposer(LookaheadConfig(6, tree=True))
+    assert p.tree_nodes == 6 and LookaheadProposer(LookaheadConfig(6, tree=True, tree_nodes=0)).tree_nodes == 6
     eng = TreeToyEngine(p, fib(50), k=2)       # the engine's per-step budget is below tree_nodes
     eng.add("r", [1, 1], 100)
     while eng.reqs:
@@ -496,21 +506,21 @@ def test_tree_false_and_chain_only_requests_keep_chain_behaviour():
     f, prompt = fib(50), [2, 9]
     runs = []
     for kw, tree_ok in [({}, True), (dict(tree=False), True), (dict(tree=True), False)]:
-        eng = TreeToyEngine(LookaheadProposer(5, window=4, ngram=3, **kw), f, tree_ok=tree_ok)
+        eng = TreeToyEngine(LookaheadProposer(LookaheadConfig(5, window=4, ngram=3, **kw)), f, tree_ok=tree_ok)
         eng.add("r", prompt, 200)
         drafts = []
         while eng.reqs:
             drafts += [list(d) for d in eng.step()]          # all chains (lists)
         runs.append(drafts)
         assert eng.tree_steps == 0
-    eng = ToyEngine(LookaheadProposer(5, window=4, ngram=3), f)   # the original chain engine
+    eng = ToyEngine(LookaheadProposer(LookaheadConfig(5, window=4, ngram=3)), f)   # the original chain engine
     eng.add("r", prompt, 200)
     drafts = []
     while eng.reqs:
         drafts += eng.step()
     assert runs[0] == runs[1] == runs[2] == drafts
     # mixed batch: a chain-only request next to tree requests gets chains, the others trees
-    p = LookaheadProposer(6, tree=True)
+    p = LookaheadProposer(LookaheadConfig(6, tree=True))
     eng = TreeToyEngine(p, f, tree_ok=lambda rid: rid != "chain")
     for rid in ("a", "chain", "b"):
         eng.add(rid, prompt, 100)
@@ -524,7 +534,7 @@ def test_tree_truncated_by_scheduler_and_cut_to_chain():
     # the scheduler keeps a prefix of the nodes (sometimes a chain, sometimes nothing)
     for f, prompt, V in [(fib(50), [1, 1], 50), (pair_table_target(50, 2, 0.1), list(range(16)), 50)]:
         rnd = random.Random(0)
-        p = LookaheadProposer(8, window=6, ngram=3, tree=True, vocab_size=V)
+        p = LookaheadProposer(LookaheadConfig(8, window=6, ngram=3, tree=True), vocab_size=V)
         eng = TreeToyEngine(p, f, vocab_size=V, truncate=lambda rid, n: rnd.randint(0, n))
         eng.add("r", prompt, 300)
         while eng.reqs:
@@ -538,7 +548,7 @@ def test_tree_ngrams_are_genuine(ngram, window_at):
     # As test_jacobi_ngrams_are_aligned, for trees: with a last-token target every harvested
     # n-gram (window diagonals and tree paths with genuine links) must follow f.
     f, prompt = lcg_case()
-    p = LookaheadProposer(8, ngram=ngram, window=5, tree=True)
+    p = LookaheadProposer(LookaheadConfig(8, ngram=ngram, window=5, tree=True))
     p.window_at = window_at
     eng = TreeToyEngine(p, f)
     eng.add("r", prompt, 150)
@@ -557,7 +567,7 @@ def test_tree_ngrams_are_genuine(ngram, window_at):
 
 def test_tree_harvest_keeps_only_genuine_links():
     from vllm_spec_plugins.proposers.base import RequestStep, StepContext
-    p = LookaheadProposer(4, ngram=3, tree=True)
+    p = LookaheadProposer(LookaheadConfig(4, ngram=3, tree=True))
     text = [1, 2, 3, 10, 11]
     p.propose(StepContext([RequestStep("r", np.array(text), [11], [])]))
     # verified tree: 20 -> 21 and 30 -> 31 off the root (11); target: 11 -> 30 -> 31 -> 32 and,
@@ -573,7 +583,7 @@ def test_tree_harvest_keeps_only_genuine_links():
 
 
 def _solo_tree(prompt, steps, f):
-    eng = TreeToyEngine(LookaheadProposer(6, ngram=3, tree=True), f)
+    eng = TreeToyEngine(LookaheadProposer(LookaheadConfig(6, ngram=3, tree=True, shared_pool=0)), f)
     eng.add("x", prompt, 10_000)
     return [_tree_key(eng.step()[0]) for _ in range(steps)]
 
@@ -582,7 +592,7 @@ def test_tree_state_isolation_reorder_finish_preempt():
     f = pair_table_target(50, 3, 0.1)
     pa, pb, pc = list(range(10)), list(range(10, 30)), [7, 7, 7]
     solo_b = _solo_tree(pb, 100, f)
-    p = LookaheadProposer(6, ngram=3, tree=True)
+    p = LookaheadProposer(LookaheadConfig(6, ngram=3, tree=True, shared_pool=0))
     eng = TreeToyEngine(p, f)
     eng.add("a", pa, 60)                  # finishes by itself (max_tokens) mid-run
     eng.add("b", pb, 10_000)
@@ -610,23 +620,12 @@ def test_tree_state_isolation_reorder_finish_preempt():
     assert c.out == greedy(f, pc, len(c.out))
 
 
-def test_tree_validation():
-    with pytest.raises(ValueError, match="tree_nodes"):
-        LookaheadProposer(4, tree=True, tree_nodes=5)
-    with pytest.raises(ValueError, match="tree_nodes"):
-        LookaheadProposer(4, tree=True, tree_nodes=-1)
-    with pytest.raises(ValueError, match="tree"):
-        LookaheadProposer(4, tree="yes")
-    LookaheadProposer(1, window=1, ngram=2, guesses=1, pool_cap=1, tree=True, tree_nodes=1)
-
-
 def _tau_pair(cases, k, window, ngram, guesses, tree_nodes, vocab=None):
     taus = []
     for tree in (False, True):
         outs = steps = 0
         for f, prompt, n in cases:
-            p = LookaheadProposer(k, window=window, ngram=ngram, guesses=guesses, tree=tree, tree_nodes=tree_nodes,
-                                  vocab_size=vocab)
+            p = LookaheadProposer(LookaheadConfig(k, window=window, ngram=ngram, guesses=guesses, tree=tree, tree_nodes=tree_nodes), vocab_size=vocab)
             out, st, _ = simulate_tree(p, f, prompt, n, vocab_size=vocab, max_tree_nodes=tree_nodes)
             assert out == greedy(f, prompt, n)
             outs, steps = outs + len(out), steps + st
@@ -656,7 +655,7 @@ def test_tree_tau_lcg_no_big_loss_and_pool_cap():
     assert tree_tau >= 0.9 * chain_tau and tree_tau > 2.0, (chain_tau, tree_tau)
     V, cap = 997, 128
     f = lambda t: (3 * t[-1] + 7 * t[-2] + 11) % V
-    p = LookaheadProposer(8, ngram=4, guesses=4, pool_cap=cap, vocab_size=V, tree=True)
+    p = LookaheadProposer(LookaheadConfig(8, ngram=4, guesses=4, pool_cap=cap, shared_pool=0, tree=True), vocab_size=V)
     eng = TreeToyEngine(p, f, vocab_size=V)
     eng.add("r", [1, 2, 3], 1500)
     sizes, nbytes = [], []

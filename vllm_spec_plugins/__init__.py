@@ -13,5 +13,11 @@ def register() -> None:
     if _registered:
         return
     _registered = True
+    import os
+
     from vllm_spec_plugins import _compat
+    from vllm_spec_plugins.proposers.testing import TEST_METHODS_ENV
+    if os.environ.get(TEST_METHODS_ENV):      # the tests' and the benchmark's timing methods
+        from vllm_spec_plugins.proposers import testing
+        testing.register()
     _compat.install()

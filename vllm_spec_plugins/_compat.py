@@ -310,8 +310,8 @@ def refuse_unverified_platform(method: str, params: dict, target_model_config=No
 
 
 def uses_trees(params: dict) -> bool:
-    return bool(params.get("tree") or params["method"] == "bandit_tree" or params.get("tree_nodes")
-                and params["method"] in ("oracle", "adversarial"))
+    from vllm_spec_plugins.config import from_params
+    return from_params(params).uses_trees
 
 
 def unsupported_attention(hf_config) -> str | None:
@@ -392,10 +392,6 @@ def _patch_cpu_expand() -> None:
     _set(rejection_sampler, "expand_batch_to_tokens", expand_batch_to_tokens)
 
 
-# SamplingParams.extra_args key carrying a request's tenant (a digest of its cache_salt) to the worker
-TENANT_KEY = "vllm_spec_plugins_tenant"
-
-
 def tenant_of(salt: str | None) -> str | None:
     import hashlib
     return hashlib.sha256(salt.encode()).hexdigest()[:16] if salt else None
@@ -407,6 +403,7 @@ def _patch_request_tenant() -> None:
     it into the request's `SamplingParams.extra_args`, which the worker receives."""
     from vllm.v1.request import Request
 
+    from vllm_spec_plugins import config as cfg
     orig_init = Request.__init__
 
     @functools.wraps(orig_init)
@@ -414,7 +411,7 @@ def _patch_request_tenant() -> None:
         orig_init(self, *args, **kwargs)
         sp = getattr(self, "sampling_params", None)
         if self.cache_salt and sp is not None:
-            sp.extra_args = {**(sp.extra_args or {}), TENANT_KEY: tenant_of(self.cache_salt)}
+            sp.extra_args = {**(sp.extra_args or {}), cfg.TENANT_KEY: tenant_of(self.cache_salt)}
 
     _set(Request, "__init__", __init__)
 

@@ -7,110 +7,22 @@ becomes
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from vllm_spec_plugins.proposers import METHODS, config_class
+from vllm_spec_plugins.proposers.base import Key, MethodConfig
 
 ADDITIONAL_KEY = "vllm_spec_plugins"
 PROPOSER_PATH = "vllm_spec_plugins.proposer.PluginProposer"
+#: methods served only where the tests register them; never offered in messages or docs
+TEST_ONLY = ("oracle", "adversarial")
+#: `SamplingParams.extra_args` key carrying a digest of the request's `cache_salt` (its tenant)
+TENANT_KEY = "vllm_spec_plugins_tenant"
 
 
-@dataclass(frozen=True)
-class Key:
-    default: Any
-    lo: float | None = None
-    hi: float | None = None
-    kind: type = int
-    help: str = ""
+def method_keys(method: str) -> dict[str, Key]:
+    """Every key of `method` (default, range, kind, help), from its typed config."""
+    return config_class(method).keys()
 
 
-GOODPUT = Key(True, kind=bool, help="per step, keep only the draft tokens whose learned chance of acceptance "
-              "pays for their measured verification cost, over the whole batch; draft nothing while drafting "
-              "does not pay (false: always draft num_speculative_tokens)")
-
-# method -> {key: Key}. `num_speculative_tokens` is vLLM's own key; the rest are ours.
-METHODS: dict[str, dict[str, Key]] = {
-    "lookahead": {
-        "num_speculative_tokens": Key(6, 1, 64, int, "max draft chain length (k)"),
-        "window": Key(0, 0, 64, int, "Jacobi window W (guess positions; 0 = num_speculative_tokens)"),
-        "ngram": Key(4, 2, 16, int, "n-gram size N (lookahead levels + 1)"),
-        "guesses": Key(7, 1, 64, int, "G: max n-gram candidates kept per key token"),
-        "pool_cap": Key(4096, 16, 1 << 20, int, "max n-grams per request (LRU eviction)"),
-        "shared_pool": Key(65536, 0, 1 << 22, int, "contexts kept in the n-gram table shared by all requests "
-                           "(every request's prompt and output; LRU), kept apart per tenant: requests with "
-                           "another cache_salt never draft from each other's text; 0 = off (each request "
-                           "drafts from its own text only)"),
-        "prompt_lookup_min": Key(1, 1, 16, int, "prompt-lookup fallback: min match length"),
-        "prompt_lookup_max": Key(3, 1, 16, int, "prompt-lookup fallback: max match length"),
-        "tree": Key(False, kind=bool, help="full form: verify pool candidates + Jacobi window as one tree"),
-        "tree_nodes": Key(0, 0, 64, int, "tree node budget (0 = num_speculative_tokens)"),
-        "goodput": GOODPUT,
-    },
-    "bandit_tree": {
-        "num_speculative_tokens": Key(16, 1, 64, int, "draft tokens the scheduler reserves per request (>= node_budget)"),
-        "drafter": Key("lookahead", kind=str, help="what proposes candidates per depth: 'lookahead' (model-free pool) "
-                       "or 'mamba' (the Mamba drafter's greedy chain and its next-best tokens per depth)"),
-        "model": Key("", kind=str, help="drafter 'mamba': its folder (`python -m vllm_spec_plugins.drafters --drafter "
-                     "mamba`) or 'vllm_spec_plugins:smollm2-135m-instruct-mamba' (shipped)"),
-        "node_budget": Key(0, 0, 64, int, "max tree nodes per request (0 = num_speculative_tokens)"),
-        "max_depth": Key(6, 1, 64, int, "deepest shape in the generated family"),
-        "max_width": Key(4, 1, 64, int, "widest first level in the generated family"),
-        "shapes": Key([], kind=list, help="explicit shape family: list of width lists ([] in it = no speculation); one shape = fixed"),
-        "batch_node_budget": Key(64, 1, 1 << 16, int, "draft nodes per step across the batch: shapes over budget/batch_size nodes are not tried"),
-        "backoff": Key(True, kind=bool, help="include the no-speculation arm in the generated family"),
-        "scope": Key("global", kind=str, help="bandit tables: 'global', 'request', or 'field:NAME' (SamplingParams.extra_args[NAME])"),
-        "exploration": Key(0.05, 0.0, 10.0, float, "UCB exploration weight c (times the best mean reward)"),
-        "discount": Key(0.995, 0.5, 1.0, float, "per-step discount of the bandit's counts (memory ~ 1/(1-discount) steps)"),
-        "window": Key(0, 0, 64, int, "drafter: Jacobi window W (0 = deepest shape)"),
-        "ngram": Key(4, 2, 16, int, "drafter: n-gram size N"),
-        "guesses": Key(7, 1, 64, int, "drafter: n-gram candidates kept per key token"),
-        "pool_cap": Key(4096, 16, 1 << 20, int, "drafter: max n-grams per request (LRU eviction)"),
-        "shared_pool": Key(65536, 0, 1 << 22, int, "drafter: contexts kept in the n-gram table shared by all "
-                           "requests (lookahead's `shared_pool`; 0 = off; unused with drafter 'mamba')"),
-        "prompt_lookup_min": Key(1, 1, 16, int, "drafter: prompt-lookup min match length"),
-        "prompt_lookup_max": Key(3, 1, 16, int, "drafter: prompt-lookup max match length"),
-    },
-    "mamba": {
-        "num_speculative_tokens": Key(4, 1, 16, int, "draft chain length (k)"),
-        "model": Key(None, kind=str, help="Mamba drafter folder made by `python -m vllm_spec_plugins.drafters "
-                     "--drafter mamba`, or 'vllm_spec_plugins:smollm2-135m-instruct-mamba' (shipped)"),
-        "goodput": GOODPUT,
-    },
-    "cascade": {
-        "num_speculative_tokens": Key(8, 1, 16, int, "max drafts handed to the target per step"),
-        "levels": Key(["ngram", "mamba"], kind=list, help="draft levels, cheapest first; each drafts for the "
-                      "next, the last for the target: ['ngram', 'mamba'] (level 0: n-gram lookup in the "
-                      "request's own tokens) or ['lookahead', 'mamba'] (level 0: lookahead's chain form: "
-                      "its text index, its pool of n-grams from the target's own outputs, the shared pool)"),
-        "model": Key(None, kind=str, help="the 'mamba' level's drafter folder (`python -m vllm_spec_plugins.drafters "
-                     "--drafter mamba`) or 'vllm_spec_plugins:smollm2-135m-instruct-mamba' (shipped)"),
-        "drafter_steps": Key(3, 0, 16, int, "sequential drafter steps after its one-pass check of the n-gram level"),
-        "drafter_top_k": Key(0, 0, 64, int, "the drafter keeps an n-gram token it ranks in its top k (1: only its own greedy choice; 0: all)"),
-        "prompt_lookup_min": Key(1, 1, 16, int, "n-gram level: min match length"),
-        "prompt_lookup_max": Key(3, 1, 16, int, "n-gram level: max match length"),
-        "shared_pool": Key(65536, 0, 1 << 22, int, "'lookahead' level: contexts kept in the n-gram table shared "
-                           "by all requests (0 = off)"),
-        "goodput": GOODPUT,
-    },
-    # Test proposers: drafts from a reference file {prompt ids -> plain greedy output ids}.
-    "oracle": {
-        "num_speculative_tokens": Key(4, 1, 64, int, "draft chain length / tree node budget"),
-        "references": Key(None, kind=str, help="JSON file: [[prompt_ids, output_ids], ...]"),
-        "tree_nodes": Key(0, 0, 64, int, "0: chain drafts; else a random tree of this many nodes"),
-        "tree_depth": Key(3, 1, 64, int, "depth of the true branch hidden in the tree"),
-        "check_hidden_states": Key(False, kind=bool, help="test: check the target hidden states handed to the proposer"),
-    },
-    "adversarial": {
-        "num_speculative_tokens": Key(4, 1, 64, int, "draft chain length / tree node budget"),
-        "references": Key("", kind=str, help="JSON file: [[prompt_ids, output_ids], ...]; empty: draft token vocab-1 (wrong unless the target emits it)"),
-        "tree_nodes": Key(0, 0, 64, int, "0: chain drafts; else a random tree of this many nodes"),
-        "tree_depth": Key(3, 1, 64, int, "depth of the true branch hidden in the tree"),
-        "check_hidden_states": Key(False, kind=bool, help="test: check the target hidden states handed to the proposer"),
-        "alternate": Key(False, kind=bool, help="bench: alternate a chain of num_speculative_tokens and a tree of "
-                         "tree_nodes every step, timing each kind of verification step"),
-        "cycle": Key([], kind=list, help="bench: chain lengths (0 = no drafts) drafted in turn, one per step, "
-                     "timing the steps that verify each"),
-    },
-}
 # vLLM SpeculativeConfig keys users may still set next to ours.
 PASSTHROUGH = ("enforce_eager", "disable_padded_drafter_batch", "num_speculative_tokens_per_batch_size")
 
@@ -145,7 +57,7 @@ def fold_cli_flags(engine_args) -> dict | None:
     if isinstance(spec, dict):
         method = spec.get("method")
         if method is not None and method not in METHODS:
-            allowed = sorted(set(_vllm_methods()) | set(METHODS) - {"oracle", "adversarial"})
+            allowed = sorted(set(_vllm_methods()) | set(METHODS) - set(TEST_ONLY))
             if method not in allowed:
                 raise ValueError(f"speculative_config.method={method!r} is unknown; allowed: "
                                  + ", ".join(allowed))
@@ -156,11 +68,13 @@ def is_plugin_config(spec) -> bool:
     return isinstance(spec, dict) and (spec.get("method") in METHODS)
 
 
-def validate(spec: dict) -> dict:
-    """Checked, defaulted parameters of one of our methods; ValueError naming the field otherwise."""
+def validate(spec: dict) -> MethodConfig:
+    """The typed config of one of our methods, checked (keys, types, ranges, cross-field rules, the
+    drafter folder); ValueError naming the field otherwise."""
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
     method = spec.get("method")
-    keys = METHODS[method]
+    cls = config_class(method)
+    keys = cls.keys()
     unknown = set(spec) - set(keys) - set(PASSTHROUGH) - {"method"}
     if "backoff" in unknown:
         raise ValueError(f"speculative_config.backoff is gone for method {method!r}: goodput (on by default) "
@@ -169,106 +83,23 @@ def validate(spec: dict) -> dict:
     if unknown:
         raise ValueError(f"unknown key(s) {sorted(unknown)} in speculative_config for method "
                          f"{method!r}; allowed keys: {', '.join(sorted(set(keys) | set(PASSTHROUGH)))}")
-    out: dict[str, Any] = {"method": method}
-    for name, key in keys.items():
-        v = spec.get(name, key.default)
-        if v is None:
-            if key.default is None:
-                raise ValueError(f"speculative_config.{name} is required for method {method!r} ({key.help})")
-            continue
-        if key.kind is int and (isinstance(v, bool) or not isinstance(v, int)):
-            raise ValueError(f"speculative_config.{name}={v!r} must be an integer ({key.help})")
-        if key.kind is bool and not isinstance(v, bool):
-            raise ValueError(f"speculative_config.{name}={v!r} must be true or false ({key.help})")
-        if key.kind is str and not isinstance(v, str):
-            raise ValueError(f"speculative_config.{name}={v!r} must be a string ({key.help})")
-        if key.kind is float:
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"speculative_config.{name}={v!r} must be a number ({key.help})")
-            v = float(v)
-        if key.kind is list and not isinstance(v, list):
-            raise ValueError(f"speculative_config.{name}={v!r} must be a list ({key.help})")
-        if key.lo is not None and not (key.lo <= v <= key.hi):
-            raise ValueError(f"speculative_config.{name}={v} is out of range for method {method!r}: "
-                             f"allowed {key.lo}..{key.hi} ({key.help})")
-        out[name] = v
-    if "prompt_lookup_min" in out and out["prompt_lookup_min"] > out["prompt_lookup_max"]:
-        raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
-    if method == "lookahead":
-        out["window"] = out["window"] or out["num_speculative_tokens"]
-        out["tree_nodes"] = out["tree_nodes"] or out["num_speculative_tokens"]
-        if out["tree_nodes"] > out["num_speculative_tokens"]:
-            raise ValueError(f"speculative_config.tree_nodes={out['tree_nodes']} must be <= "
-                             f"num_speculative_tokens={out['num_speculative_tokens']} (the scheduler's draft budget)")
-        if out["window"] > out["num_speculative_tokens"]:
-            raise ValueError(f"speculative_config.window={out['window']} must be <= "
-                             f"num_speculative_tokens={out['num_speculative_tokens']}")
-        if out["ngram"] > out["num_speculative_tokens"] + 1:
-            raise ValueError(f"speculative_config.ngram={out['ngram']} must be <= "
-                             f"num_speculative_tokens + 1 = {out['num_speculative_tokens'] + 1}")
-    if method == "bandit_tree":
-        _check_bandit(out)
-    if method in ("oracle", "adversarial") and out["tree_nodes"] and not out["tree_depth"] <= out["tree_nodes"] <= out["num_speculative_tokens"]:
-        raise ValueError("speculative_config: need tree_depth <= tree_nodes <= num_speculative_tokens")
-    if out.get("cycle") and not (len(out["cycle"]) >= 2 and all(
-            isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= out["num_speculative_tokens"]
-            for x in out["cycle"]) and len(set(out["cycle"])) == len(out["cycle"])):
-        raise ValueError(f"speculative_config.cycle={out['cycle']!r}: give >= 2 distinct chain lengths, "
-                         f"each 0..num_speculative_tokens={out['num_speculative_tokens']}")
-    if out.get("alternate") and not out["tree_nodes"]:
-        raise ValueError("speculative_config.alternate needs tree_nodes (the tree it alternates with the chain)")
-    if method == "mamba":
-        _check_ssm_drafter(out["model"])
-    if method == "cascade":
-        if out["levels"] not in (["ngram", "mamba"], ["lookahead", "mamba"]):
-            raise ValueError(f"speculative_config.levels={out['levels']!r}: this release runs the cascades "
-                             "['ngram', 'mamba'] and ['lookahead', 'mamba'] (a model-free level drafts for "
-                             "the Mamba drafter, which drafts for the target)")
-        _check_ssm_drafter(out["model"], method)
-    if out.get("references"):
-        _check_readable(out["references"], "references")
-    return out
+    # an explicit null takes the default (a required key stays missing and is named)
+    cfg = cls(**{k: v for k, v in spec.items() if k in keys and v is not None})
+    folder = cfg.drafter_folder()
+    if folder is not None:
+        _check_ssm_drafter(folder, method)
+    return cfg
 
 
-def _check_bandit(out: dict) -> None:
-    k = out["num_speculative_tokens"]
-    budget = out["node_budget"] = out["node_budget"] or k
-    if budget > k:
-        raise ValueError(f"speculative_config.node_budget={budget} must be <= num_speculative_tokens={k} "
-                         "(the scheduler's draft budget)")
-    for name in ("max_depth", "max_width"):
-        if out[name] > budget:
-            raise ValueError(f"speculative_config.{name}={out[name]} must be <= node_budget={budget}")
-    if out["drafter"] not in ("lookahead", "mamba"):
-        raise ValueError(f"speculative_config.drafter={out['drafter']!r}: bandit_tree drafts candidates with "
-                         "'lookahead' (model-free) or 'mamba' (a Mamba drafter, speculative_config.model)")
-    if out["drafter"] == "mamba":
-        if not out["model"]:
-            raise ValueError("speculative_config.model is required with drafter 'mamba' (a folder made by "
-                             "python -m vllm_spec_plugins.drafters --drafter mamba, or "
-                             "'vllm_spec_plugins:smollm2-135m-instruct-mamba')")
-        _check_ssm_drafter(out["model"], "bandit_tree")
-    elif out["model"]:
-        raise ValueError(f"speculative_config.model={out['model']!r} is only used with drafter 'mamba' "
-                         "(drafter 'lookahead' is model-free)")
-    scope = out["scope"]
-    if not (scope in ("global", "request") or (scope.startswith("field:") and len(scope) > 6)):
-        raise ValueError(f"speculative_config.scope={scope!r} must be 'global', 'request' or 'field:NAME'")
-    for s in out["shapes"]:
-        if not isinstance(s, list) or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in s):
-            raise ValueError(f"speculative_config.shapes: each shape is a list of widths >= 1 (nodes per depth), got {s!r}")
-        if sum(s) > budget:
-            raise ValueError(f"speculative_config.shapes: shape {s} has {sum(s)} nodes > node_budget={budget}")
-    if out["window"] > k:
-        raise ValueError(f"speculative_config.window={out['window']} must be <= num_speculative_tokens={k}")
-    if out["ngram"] > k + 1:
-        raise ValueError(f"speculative_config.ngram={out['ngram']} must be <= num_speculative_tokens + 1 = {k + 1}")
+def from_params(params: dict) -> MethodConfig:
+    """The typed config back from `translate`'s parameters (in each engine process)."""
+    cls = config_class(params["method"])
+    return cls(**{k: params[k] for k in cls.keys() if k in params})
 
 
 def _check_ssm_drafter(path: str, method: str = "mamba") -> None:
     import json
     import os
-    marker = os.path.join(path, "drafter.json")
     if not os.path.isdir(path):
         raise ValueError(f"speculative_config.model={path!r} does not exist or is not a folder "
                          "(make one with: python -m vllm_spec_plugins.drafters --drafter mamba)")
@@ -300,34 +131,18 @@ def _check_ssm_drafter(path: str, method: str = "mamba") -> None:
                          "runs drafters of kind 'mamba'")
 
 
-def _check_readable(path: str, field: str) -> None:
-    import os
-    if not os.path.exists(path):
-        raise ValueError(f"speculative_config.{field}={path!r} does not exist")
-    if not os.access(path, os.R_OK):
-        raise ValueError(f"speculative_config.{field}={path!r} is not readable")
-
-
-def check_drafter(path: str, target_dir: str, field: str = "drafter") -> None:
-    """A drafter folder must exist, be a readable model folder, and share the target's tokenizer
-    (same vocab size and token->id map). Raises ValueError naming `field` otherwise."""
-    import os
-
-    from vllm_spec_plugins.models import same_tokenizer
-    if not isinstance(path, str) or not path:
-        raise ValueError(f"speculative_config.{field} must be a model folder path")
-    if not os.path.isdir(path):
-        raise ValueError(f"speculative_config.{field}={path!r} does not exist or is not a folder")
-    cfg = os.path.join(path, "config.json")
-    if not os.access(cfg, os.R_OK):
-        raise ValueError(f"speculative_config.{field}={path!r} has no readable config.json")
-    ok, reason = same_tokenizer(path, target_dir)
-    if not ok:
-        raise ValueError(f"speculative_config.{field}={path!r} does not match the target's "
-                         f"tokenizer: {reason}")
-
-
 SHIPPED_PREFIX = "vllm_spec_plugins:"
+#: the file that marks a folder as a drafter exported by `vllm_spec_plugins.drafters`
+DRAFTER_MARKER = "drafter.json"
+
+
+def shipped_drafter(name: str = "smollm2-135m-instruct-eagle"):
+    """Path of a drafter shipped in the package (`python -m vllm_spec_plugins.drafters path`)."""
+    from pathlib import Path
+    p = Path(__file__).parent / "assets" / name
+    if not (p / DRAFTER_MARKER).exists():
+        raise FileNotFoundError(f"no shipped drafter {name!r} in {p.parent}")
+    return p
 
 
 def resolve_shipped_drafter(spec):
@@ -336,7 +151,6 @@ def resolve_shipped_drafter(spec):
     model = spec.get("model") if isinstance(spec, dict) else None
     if not (isinstance(model, str) and model.startswith(SHIPPED_PREFIX)):
         return spec
-    from vllm_spec_plugins.drafters import shipped_drafter
     try:
         path = shipped_drafter(model[len(SHIPPED_PREFIX):])
     except FileNotFoundError as e:
@@ -370,15 +184,17 @@ def check_drafter_marker(spec, target_dir: str) -> None:
 
 
 def translate(spec: dict, target_model_config=None) -> tuple[dict, dict]:
-    """(vLLM speculative_config dict, our parameters)."""
-    params = validate(spec)
+    """(vLLM speculative_config dict, our parameters: the validated config + what the engine
+    process needs to build the proposer)."""
+    cfg = validate(spec)
+    params = cfg.to_dict()
     vllm_spec = {"method": "custom_class", "model": PROPOSER_PATH,
-                 "num_speculative_tokens": params["num_speculative_tokens"]}
+                 "num_speculative_tokens": cfg.num_speculative_tokens}
     for k in PASSTHROUGH:
         if k in spec:
             vllm_spec[k] = spec[k]
     if target_model_config is not None:
         params["vocab_size"] = target_model_config.get_vocab_size()
-        if params["method"] in ("mamba", "cascade") or params.get("drafter") == "mamba" or params.get("check_hidden_states"):
+        if cfg.needs_target:
             params["target"] = target_model_config.model   # the drafter (or check) reads the target's head
     return vllm_spec, params

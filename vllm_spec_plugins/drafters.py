@@ -35,8 +35,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from vllm_spec_plugins.config import DRAFTER_MARKER, shipped_drafter  # noqa: F401 - `drafters.shipped_drafter` is public
+
 STAGES = ("generate", "cache", "text", "train", "export")
-DRAFTER_MARKER = "drafter.json"
 GEN_CHUNK = 128
 CACHE_TOPK = 32
 
@@ -620,8 +621,7 @@ def export_ssm(target: str, work: Path, kind: str, out_dir: Path) -> Path:
 
 def random_ssm_drafter(target: str, out_dir: Path, seed: int = 0, kind: str = "mamba", **cfg) -> Path:
     """An untrained drafter for `target` in seconds (tests: lossless whatever the drafts are)."""
-    from vllm_spec_plugins.proposer import target_embeddings
-    from vllm_spec_plugins.proposers.mamba import StateSpaceDrafter
+    from vllm_spec_plugins.proposers.mamba import StateSpaceDrafter, target_embeddings
     torch.manual_seed(seed)
     emb, head = target_embeddings(target)
     dv = torch.arange(min(DRAFT_VOCAB, emb.shape[0]))
@@ -695,14 +695,6 @@ def greedy_chain_accepted(d: EagleDrafter, target_model, prompt: list[int], answ
             n += 1
         acc, j = acc + n, j + n + 1
     return acc
-
-
-def shipped_drafter(name: str = "smollm2-135m-instruct-eagle") -> Path:
-    """Path of a drafter shipped in the package (`python -m vllm_spec_plugins.drafters path`)."""
-    p = Path(__file__).parent / "assets" / name
-    if not (p / DRAFTER_MARKER).exists():
-        raise FileNotFoundError(f"no shipped drafter {name!r} in {p.parent}")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

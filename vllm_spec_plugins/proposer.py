@@ -6,11 +6,10 @@ import logging
 import os
 from collections import Counter
 
-import numpy as np
-
-from vllm_spec_plugins._compat import TENANT_KEY
-from vllm_spec_plugins.config import ADDITIONAL_KEY
-from vllm_spec_plugins.proposers.base import Proposer, RequestStep, StepContext
+from vllm_spec_plugins.config import ADDITIONAL_KEY, TENANT_KEY, from_params
+from vllm_spec_plugins.proposers.base import BuildEnv, Proposer, RequestStep, StepContext
+from vllm_spec_plugins.scorers.tree import DraftTree
+from vllm_spec_plugins.tree_step import tree_eligible
 
 logger = logging.getLogger("vllm_spec_plugins")
 
@@ -54,121 +53,30 @@ class StepFaults:
                            exc_info=exc if n == 1 else None)
 
 
-def target_embeddings(target_dir: str):
-    """(input embeddings, output head) of a target folder's safetensors; head = embeddings when tied."""
-    import glob
-    import os
-
-    from safetensors import safe_open
-    found = {}
-    for f in sorted(glob.glob(os.path.join(target_dir, "*.safetensors"))):
-        with safe_open(f, "pt") as fh:
-            for name in ("model.embed_tokens.weight", "lm_head.weight"):
-                if name in fh.keys():
-                    found[name] = fh.get_tensor(name)
-    if "model.embed_tokens.weight" not in found:
-        raise ValueError(f"the mamba drafter shares the target's embeddings, but {target_dir!r} has no "
-                         "model.embed_tokens.weight in its safetensors")
-    emb = found["model.embed_tokens.weight"]
-    return emb, found.get("lm_head.weight", emb).float()
-
-
 def _drafter(model: str, target: str, dtype):
     """The Mamba drafter in folder `model` over the target's embeddings and head, with the C step
     kernel when it builds. A float32 target gets a float32 drafter; a bf16 target one whose
     projections and head are int8 weights with bf16 activations (`matmuls_in`: a drafted token
-    reads a quarter of the float32 bytes; its drafts agree with the float32 drafter's on 94% of
-    text tokens against bf16's 96%, and drafts never change what the target outputs)."""
+    reads a quarter of the float32 bytes; drafts never change what the target outputs)."""
     import torch
 
     from vllm_spec_plugins import native
-    from vllm_spec_plugins.proposers.mamba import load_drafter
+    from vllm_spec_plugins.proposers.mamba import load_drafter, target_embeddings
     d = load_drafter(model, *target_embeddings(target), "int8" if dtype == torch.bfloat16 else torch.float32)
     d.step_kernel = native.mamba_step()
     return d
 
 
 def build_proposer(params: dict, max_requests: int = 8, dtype=None) -> Proposer:
-    """`dtype`: the target's (a Mamba drafter's matmuls follow it, `_drafter`)."""
-    p = dict(params)
-    if p.pop("goodput", False) and p.get("method") in ("lookahead", "mamba", "cascade") and not p.get("tree"):
-        from vllm_spec_plugins.proposers.goodput import Goodput   # chains; lookahead's trees keep tree_nodes
-        return Goodput(build_proposer(p, max_requests, dtype))
-    method = p.pop("method")
-    k = p.pop("num_speculative_tokens")
-    vocab = p.pop("vocab_size", None)
-    if method == "lookahead":
-        from vllm_spec_plugins.proposers.lookahead import LookaheadProposer
-        if not p.get("tree"):
-            p.pop("tree", None), p.pop("tree_nodes", None)
-        return LookaheadProposer(k, vocab_size=vocab, **p)
-    if method == "bandit_tree":
-        from vllm_spec_plugins.proposers.bandit import BanditTreeProposer
-        shapes = p.pop("shapes") or None
-        drafter, model = p.pop("drafter"), p.pop("model", "")   # validated: "lookahead" or "mamba" + model
-        if drafter == "mamba":
-            if "target" not in p:
-                raise ValueError("bandit_tree's drafter 'mamba' needs the target folder (params['target']), "
-                                 "set by the config hook")
-            p["drafter"] = _drafter(model, p.pop("target"), dtype)
-            p["shared_pool"] = 0      # the Mamba drafter drafts; no n-gram table to fill
-        return BanditTreeProposer(k, vocab_size=vocab, shapes=shapes, max_requests=max_requests, **p)
-    if method == "mamba":
-        from vllm_spec_plugins.proposers.mamba import MambaProposer
-        if "target" not in p:
-            raise ValueError("method 'mamba' needs the target folder (params['target']), set by the config hook")
-        return MambaProposer(k, _drafter(p["model"], p["target"], dtype), max_requests)
-    if method == "cascade":
-        from vllm_spec_plugins.proposers.cascade import CascadeProposer
-        if "target" not in p:
-            raise ValueError("method 'cascade' needs the target folder (params['target']), set by the config hook")
-        level0 = None
-        if p.get("levels", ["ngram"])[0] == "lookahead":
-            from vllm_spec_plugins.proposers.lookahead import LookaheadProposer
-            level0 = LookaheadProposer(k, ngram=min(4, k + 1), prompt_lookup_min=p["prompt_lookup_min"],
-                                       prompt_lookup_max=p["prompt_lookup_max"], vocab_size=vocab,
-                                       shared_pool=p.get("shared_pool", 0))
-        return CascadeProposer(k, _drafter(p["model"], p["target"], dtype), max_requests,
-                               drafter_steps=p["drafter_steps"], ngram_min=p["prompt_lookup_min"],
-                               ngram_max=p["prompt_lookup_max"], drafter_top_k=p["drafter_top_k"], level0=level0)
-    if method in ("oracle", "adversarial"):
-        from vllm_spec_plugins.proposers import testing
-        refs = testing.load_references(p["references"]) if p["references"] else {}
-        if p.get("cycle"):
-            return testing.AlternatingStepTimer({str(n): testing.AdversarialProposer(n, refs, vocab_size=vocab) if n else None
-                                                 for n in p["cycle"]})
-        if p.get("alternate"):
-            return testing.AlternatingStepTimer({
-                "chain": testing.AdversarialProposer(k, references=refs, vocab_size=vocab),
-                "tree": testing.OracleTreeProposer(k, refs, p["tree_nodes"], p["tree_depth"], vocab or 2, adversarial=True)})
-        if p.get("tree_nodes"):
-            prop = testing.OracleTreeProposer(k, refs, p["tree_nodes"], p["tree_depth"], vocab or 2,
-                                              adversarial=method == "adversarial")
-        elif method == "oracle":
-            prop = testing.OracleProposer(k, references=refs)
-        else:
-            prop = testing.AdversarialProposer(k, references=refs, vocab_size=vocab)
-        if p.get("check_hidden_states"):
-            prop = testing.HiddenStateProbe(prop, target_embeddings(p["target"])[1])
-        return prop
-    raise ValueError(f"unknown vllm-spec-plugins method {method!r}")
-
-
-def tree_eligible(runner, i: int, rid: str) -> bool:
-    """Requests our acceptance reproduces exactly (drafts, trees, and their sampling): greedy or
-    temperature with top-k/top-p (drawn by vLLM's own sampler). Not: logprobs (vLLM computes them
-    for its own tokens), penalties, bias, min_p, bad words, allowed ids or a grammar."""
-    b = runner.input_batch
-    if (rid in b.num_logprobs
-            or rid in b.frequency_penalties_reqs or rid in b.presence_penalties_reqs
-            or rid in b.repetition_penalties_reqs or rid in b.has_allowed_token_ids
-            or i in b.bad_words_token_ids):
-        return False
-    req = runner.requests.get(rid)
-    sp = getattr(req, "sampling_params", None)
-    if sp is None:
-        return False
-    return not (sp.structured_outputs or sp.min_p or sp.logit_bias or sp.prompt_logprobs or sp.min_tokens)
+    """The proposer of `translate`'s parameters, built by its method's config (`dtype`: the
+    target's; a Mamba drafter's matmuls follow it)."""
+    cfg = from_params(params)
+    target = params.get("target")
+    if cfg.needs_target and target is None:
+        raise ValueError(f"method {cfg.method!r} needs the target folder (params['target']), set by the config hook")
+    env = BuildEnv(vocab_size=params.get("vocab_size"), max_requests=max_requests, target=target,
+                   load_drafter=lambda folder: _drafter(folder, target, dtype))
+    return cfg.build(env)
 
 
 def _request_rows(n_rows: int, spec_decode_metadata) -> list[tuple[int, int]]:
@@ -213,12 +121,11 @@ class PluginProposer:
         self.needs_target_argmax = self.impl.needs_target_argmax
         self.max_model_len = vllm_config.model_config.max_model_len
         self._argmax: list[list[int]] | None = None
-        if hasattr(self.impl, "sync") and vllm_config.parallel_config.tensor_parallel_size > 1:
-            self.impl.sync = _broadcast_from_rank0
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
+            self.impl.set_sync(_broadcast_from_rank0)
         self.trees: dict = {}     # req_id -> DraftTree proposed last step (verified next step)
         self.faults = StepFaults(params["method"])
-        from vllm_spec_plugins._compat import uses_trees
-        if uses_trees(params):         # build the tree-attention kernel now, not inside a serving step
+        if from_params(params).uses_trees:   # build the tree-attention kernel now, not inside a serving step
             from vllm_spec_plugins import native
             native.library()
         self._reset: set[str] = set()   # requests whose proposer state a fault left unknown
@@ -342,7 +249,7 @@ class PluginProposer:
                 # (`tree_eligible`): our acceptance verifies the target's logits under temperature
                 # and top-k/top-p only; exactness first: no drafts for this request.
                 room = 0
-            if hasattr(d, "parents"):                                   # a DraftTree
+            if isinstance(d, DraftTree):
                 if not req.tree_ok:
                     d = _first_path(d)
                 else:
@@ -355,43 +262,35 @@ class PluginProposer:
         return out
 
 
+def _impl(worker) -> Proposer | None:
+    drafter = getattr(worker.model_runner, "drafter", None)
+    return drafter.impl if isinstance(drafter, PluginProposer) else None
+
+
 def plugin_state_summary(worker) -> dict:
     """For `LLM.collective_rpc`: per-request state held by our proposer in this worker."""
-    drafter = getattr(worker.model_runner, "drafter", None)
-    impl = getattr(drafter, "impl", None)
+    impl = _impl(worker)
     if impl is None:
         return {"method": None, "requests": 0, "nbytes": 0}
-    nbytes = sum(impl.state_nbytes(r) for r in impl.states) if hasattr(impl, "state_nbytes") else None
-    out = {"method": drafter.params["method"], "requests": len(impl.states), "nbytes": nbytes,
-           "req_ids": sorted(impl.states)}
-    la = getattr(impl, "level0", None)                # cascade's lookahead level: its per-request pools
-    if la is not None:
-        out["req_ids"] = sorted(set(out["req_ids"]) | set(la.states))
-        out["requests"] = len(out["req_ids"])
-        out["nbytes"] = (nbytes or 0) + sum(la.state_nbytes(r) for r in la.states)
-    shared = getattr(la or impl, "shared", None)
-    if shared is not None:    # lookahead's cross-request table: bounded, never freed
-        out["shared_pool"] = {"contexts": len(shared), "cap": shared.cap}
-    if hasattr(impl, "inspect"):
-        out["bandit"] = impl.inspect()
-    if hasattr(impl, "goodput_state"):
-        out["goodput"] = impl.goodput_state()
-    if getattr(impl, "stats", None):
-        out["stats"] = dict(impl.stats)
-    out["faults"] = dict(drafter.faults.counts)
+    ids = impl.request_ids()
+    out = {"method": worker.model_runner.drafter.params["method"], "requests": len(ids),
+           "nbytes": sum(impl.state_nbytes(r) for r in ids), "req_ids": sorted(ids), **impl.summary()}
+    if impl.counters():
+        out["stats"] = impl.counters()
+    out["faults"] = dict(worker.model_runner.drafter.faults.counts)
     return out
 
 
 def plugin_stats(worker) -> dict:
     """For `LLM.collective_rpc`: the proposer's cumulative counters (cascade: per level), or {}."""
-    impl = getattr(getattr(worker.model_runner, "drafter", None), "impl", None)
-    return {k: list(v) if isinstance(v, list) else v for k, v in (getattr(impl, "stats", None) or {}).items()}
+    impl = _impl(worker)
+    return {} if impl is None else {k: list(v) if isinstance(v, list) else v for k, v in impl.counters().items()}
 
 
 def plugin_steps(worker) -> int:
     """For `LLM.collective_rpc`: steps our proposer has taken in this worker (0 if none)."""
-    impl = getattr(getattr(worker.model_runner, "drafter", None), "impl", None)
-    return getattr(impl, "steps", 0)
+    impl = _impl(worker)
+    return 0 if impl is None else impl.steps
 
 
 class StateReport:

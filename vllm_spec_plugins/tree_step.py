@@ -76,7 +76,6 @@ def begin(runner, scheduler_output, owner) -> None:
     positions: list[tuple[int, torch.Tensor]] = []    # (first tree row, its depth-based positions)
     temps = batch.temperature_cpu[:batch.num_reqs]
     mixed = bool((temps >= _SAMPLING_EPS).any()) and bool((temps < _SAMPLING_EPS).any())
-    from vllm_spec_plugins.proposer import tree_eligible
     for i, rid in enumerate(batch.req_ids):
         drafts = list(scheduled.get(rid, ()))
         tree = pending.pop(rid, None)
@@ -129,8 +128,13 @@ def attend(impl, layer, query, kv_cache, attn_metadata, output) -> None:
         ptr = kv_cache.data_ptr()
         step.run[1](query.data_ptr(), ptr, ptr + step.run[2], output.data_ptr())
         return
-    from vllm_spec_plugins.tree_attention import (build_native_plan, build_tree_plan, cpu_tree_attention,
-                                                  native_supported, prepare_native)
+    from vllm_spec_plugins.tree_attention import (
+        build_native_plan,
+        build_tree_plan,
+        cpu_tree_attention,
+        native_supported,
+        prepare_native,
+    )
     if impl.sliding_window not in (None, -1) or impl.logits_soft_cap not in (None, 0) or impl.sinks is not None:
         raise NotImplementedError("tree verification does not support sliding-window, soft-capped "
                                   "or sink attention yet; use chain drafts for this model")
@@ -274,3 +278,20 @@ def end() -> dict[int, tuple[list[int], list[int]]]:
     if step is None:
         return {}
     return {i: (t.parents, step.accepted.get(i, [])) for i, t in step.rows.items()}
+
+
+def tree_eligible(runner, i: int, rid: str) -> bool:
+    """Requests our acceptance reproduces exactly (drafts, trees, and their sampling): greedy or
+    temperature with top-k/top-p (drawn by vLLM's own sampler). Not: logprobs (vLLM computes them
+    for its own tokens), penalties, bias, min_p, bad words, allowed ids or a grammar."""
+    b = runner.input_batch
+    if (rid in b.num_logprobs
+            or rid in b.frequency_penalties_reqs or rid in b.presence_penalties_reqs
+            or rid in b.repetition_penalties_reqs or rid in b.has_allowed_token_ids
+            or i in b.bad_words_token_ids):
+        return False
+    req = runner.requests.get(rid)
+    sp = getattr(req, "sampling_params", None)
+    if sp is None:
+        return False
+    return not (sp.structured_outputs or sp.min_p or sp.logit_bias or sp.prompt_logprobs or sp.min_tokens)

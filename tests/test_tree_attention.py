@@ -17,12 +17,20 @@ import torch
 pytest.importorskip("vllm._custom_ops")
 from vllm import _custom_ops as ops  # noqa: E402
 
-from vllm_spec_plugins.scorers import DraftTree, reference_tree_attention  # noqa: E402
-from vllm_spec_plugins.tree_attention import (attn_isa, build_native_plan, build_tree_plan, copy_kv_slots,  # noqa: E402
-                                              cpu_tree_attention, gather_kv, native_supported, read_kv_slots,
-                                              tree_qq_bias)
 from vllm_spec_plugins import native as native_kernel  # noqa: E402
 from vllm_spec_plugins import tree_attention as ta  # noqa: E402
+from vllm_spec_plugins.scorers import DraftTree, reference_tree_attention  # noqa: E402
+from vllm_spec_plugins.tree_attention import (  # noqa: E402
+    attn_isa,
+    build_native_plan,
+    build_tree_plan,
+    copy_kv_slots,
+    cpu_tree_attention,
+    gather_kv,
+    native_supported,
+    read_kv_slots,
+    tree_qq_bias,
+)
 
 BS = 32
 
@@ -441,8 +449,8 @@ _TRITON_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _run_triton_interpreter(patch: bool):
-    env = dict(os.environ, PATCH_QQ_HELPER="1" if patch else "0", PYTHONWARNINGS="ignore")
+def _run_triton_interpreter():
+    env = dict(os.environ, PATCH_QQ_HELPER="1", PYTHONWARNINGS="ignore")
     p = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], env=env, cwd="/", capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -458,18 +466,11 @@ def _need_triton():
 
 def test_triton_tree_attention_interpreter():
     """Grouping, gather/scatter and the qq_bias mapping, on vLLM's real kernel in the interpreter
-    (with its qq_bias helper rewritten interpreter-safe, see the script)."""
+    (with its qq_bias helper rewritten interpreter-safe, see the script: the interpreter evaluates
+    `a and b` on tensors with Python truthiness, so the unpatched helper masks the wrong keys there;
+    compiled Triton lowers `and` to logical_and)."""
     _need_triton()
-    assert _run_triton_interpreter(patch=True) < 1e-5
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(reason="Triton interpreter evaluates `a and b` on tensors with Python truthiness "
-                          "(tensor.__bool__ = all()), so vLLM's load_qq_bias_tile masks the wrong keys; "
-                          "compiled Triton lowers `and` to logical_and", strict=False)
-def test_triton_tree_attention_interpreter_unpatched():
-    _need_triton()
-    assert _run_triton_interpreter(patch=False) < 1e-5
+    assert _run_triton_interpreter() < 1e-5
 
 
 def test_tree_qq_bias_shape():

@@ -230,12 +230,9 @@ class PluginProposer:
                                     hidden[i] if hidden is not None and i < len(hidden) else None,
                                     float(batch.temperature_cpu[i]) < 1e-5,
                                     (getattr(sp, "extra_args", None) or {}).get(TENANT_KEY)))
-        finished = set(scheduler_output.finished_req_ids)
-        preempted = set(scheduler_output.preempted_req_ids or ())
-        for rid in finished | preempted:
-            self.trees.pop(rid, None)
-        # vLLM's per-step budget (its dynamic speculative decoding schedule, else k)
-        ctx = StepContext(reqs, finished, preempted, getattr(scheduler_output, "num_spec_tokens_to_schedule", None),
+        # vLLM's per-step budget (its dynamic speculative decoding schedule, else k). Requests
+        # that left were released once already, by this step's `_update_states` hook (`release`).
+        ctx = StepContext(reqs, set(), set(), getattr(scheduler_output, "num_spec_tokens_to_schedule", None),
                           scheduler_output.total_num_scheduled_tokens)
         drafts = self.impl.propose(ctx)
         self.faults.enter("propose")       # after the proposer's state moved on: the harder case

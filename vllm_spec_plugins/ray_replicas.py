@@ -5,10 +5,11 @@
     router.shutdown()
 
 Each replica is an async Ray actor holding one `AsyncLLM` (vLLM's serving engine): requests sent
-to it concurrently are batched by vLLM's scheduler. The router deals requests out round-robin. Nothing of ours has to be shipped by hand: vLLM loads its
-general plugins (our `register`) in every process it starts, and the actor's `runtime_env`
-carries `VLLM_PLUGINS` and the engine's environment. Where vLLM's own Ray executor runs (GPUs;
-it refuses vLLM's CPU platform), tensor parallelism inside a replica is vLLM's business:
+to it concurrently are batched by vLLM's scheduler. The router deals requests out round-robin.
+Nothing of ours has to be shipped by hand: vLLM loads its general plugins (our `register`) in
+every process it starts, and the actor's `runtime_env` carries `VLLM_PLUGINS` and the engine's
+environment. Where vLLM's own Ray executor runs (GPUs; it refuses vLLM's CPU platform), tensor
+parallelism inside a replica is vLLM's business:
 `engine_kwargs={"tensor_parallel_size": N, "distributed_executor_backend": "ray"}`; every
 worker loads the plugin in `WorkerWrapperBase.init_worker` (tests/test_ray.py checks that path).
 """
@@ -120,6 +121,6 @@ def worker_plugin_report(wrapper) -> dict:
     vc = wrapper.worker.vllm_config
     return {"patched": _compat._patched,
             "runner_hooked": GPUModelRunner.propose_draft_token_ids.__code__.co_filename.endswith(
-                os.path.join("vllm_spec_plugins", "_compat.py")),
+                os.path.join("vllm_spec_plugins", "patches", "model_runner.py")),
             "method": vc.speculative_config.method, "model": vc.speculative_config.model,
             "params": (vc.additional_config or {}).get(ADDITIONAL_KEY), "pid": os.getpid()}

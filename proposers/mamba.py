@@ -306,7 +306,8 @@ class StateSpaceDrafter(torch.nn.Module):
         x, n = self._embed(ids), len(self.layers)
         for i, layer in enumerate(self.layers):
             if not hidden and i == n - 1:
-                layer.step_into(rms_norm(x, self.norms[i], self.cfg["eps"]), bufs[i], slots, src, dst, kernel, out=False)
+                layer.step_into(rms_norm(x, self.norms[i], self.cfg["eps"]), bufs[i], slots, src, dst, kernel,
+                                out=False)
                 return None
             x = x + layer.step_into(rms_norm(x, self.norms[i], self.cfg["eps"]), bufs[i], slots, src, dst, kernel)
         return rms_norm(x, self.norms[-1], self.cfg["eps"])

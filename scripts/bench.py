@@ -334,12 +334,12 @@ def print_cascade(results, cats):
             if not lv:
                 continue
             n, m, l0 = lv["ngram"], lv["mamba"], lv.get("level0_kind", "ngram")
-            print(f"| {cat} | {l0} -> mamba | {n['proposed']} | {n['kept_by_drafter']} ({n['drafter_acceptance']:.2f}) | "
-                  f"{n['time_share']:.1%} |")
+            print(f"| {cat} | {l0} -> mamba | {n['proposed']} | {n['kept_by_drafter']} "
+                  f"({n['drafter_acceptance']:.2f}) | {n['time_share']:.1%} |")
             print(f"| {cat} | {l0} tokens -> target | {n['to_target']} | {n['accepted_by_target']} "
                   f"({n['target_acceptance']:.2f}) | |")
-            print(f"| {cat} | mamba -> target | {m['to_target']} | {m['accepted_by_target']} ({m['target_acceptance']:.2f}) | "
-                  f"{m['time_share']:.1%} |")
+            print(f"| {cat} | mamba -> target | {m['to_target']} | {m['accepted_by_target']} "
+                  f"({m['target_acceptance']:.2f}) | {m['time_share']:.1%} |")
             print(f"| {cat} | target | | | {lv['target']['time_share']:.1%} |")
 
 
@@ -561,8 +561,8 @@ def print_table(results, cats):
             r = rows[cat]
             pp = " ".join(f"{x:.2f}" for x in r["acceptance_per_position"][:8]) or "-"
             ident = r.get("identical_to_plain")
-            ident = "-" if ident is None else ("yes" if ident else
-                                               "no (" + ",".join(m["kind"] for m in r.get("mismatch_analysis", [])) + ")")
+            ident = "-" if ident is None else (
+                "yes" if ident else "no (" + ",".join(m["kind"] for m in r.get("mismatch_analysis", [])) + ")")
             print(f"| {name} | {cat} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x | "
                   f"{r['tau']:.2f} | {r['acceptance_rate']:.2f} | {pp} | {ident} |")
 
@@ -905,8 +905,9 @@ def main(argv=None):
            "step_cost": cost, "draft_cost": dcost}
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
+    git_rev = git["sha"][:10] + (" (dirty)" if git["dirty"] else "") if git else "?"
     print(f"\nhost: {host['cpu_model']} ({host['isa']}; {host['cpus']} CPUs); torch {host['versions']['torch']}, "
-          f"vLLM {host['versions']['vllm']}; git {git['sha'][:10] + (' (dirty)' if git['dirty'] else '') if git else '?'}")
+          f"vLLM {host['versions']['vllm']}; git {git_rev}")
     print_table(results, cats)
     print_conditions(results, cats, conds)
     print_bandit(results, cats)
@@ -929,7 +930,8 @@ def main(argv=None):
             print(f"wrote {bpng}")
             if any(n.startswith(name + "@") for n in results):
                 spng = os.path.splitext(png)[0] + f"_{name}_sweep.png"
-                plot_sweep(results, name, cats, spng, f"{name} and its fixed shapes: batch {args.batch_size}, {args.dtype}")
+                plot_sweep(results, name, cats, spng,
+                           f"{name} and its fixed shapes: batch {args.batch_size}, {args.dtype}")
                 print(f"wrote {spng}")
     print(f"\nwrote {args.json} and {png}")
     return out

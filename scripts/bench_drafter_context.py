@@ -44,8 +44,10 @@ def main() -> int:
     from vllm_spec_plugins.models import default_model_dir
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None)
-    ap.add_argument("--mamba", default=None, help="Mamba drafter folder (default: an untrained one of the shipped shape)")
-    ap.add_argument("--transformer", default=None, help="Transformer drafter folder (default: untrained, same shape as trained)")
+    ap.add_argument("--mamba", default=None,
+                    help="Mamba drafter folder (default: an untrained one of the shipped shape)")
+    ap.add_argument("--transformer", default=None,
+                    help="Transformer drafter folder (default: untrained, same shape as trained)")
     ap.add_argument("--contexts", default="1024,2048,4096,8192")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=9)

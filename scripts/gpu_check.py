@@ -284,7 +284,7 @@ def _load_kernel(args):
             info["bundle_manifest"] = json.loads((bundle / "MANIFEST.json").read_text())
         except Exception:
             pass
-    import triton                                                  # noqa: F401 (after TRITON_INTERPRET)
+    import triton  # noqa: F401 (after TRITON_INTERPRET)
     import vllm.v1.attention.ops.triton_unified_attention as tua
     info["kernel_file"] = tua.__file__
     if args.vllm == "bundle" and not str(Path(tua.__file__).resolve()).startswith(str(Path(args.bundle).resolve())):
@@ -425,7 +425,7 @@ def paged_layout(torch, rng: random.Random, reqs, bs: int, Hkv: int, D: int, dty
     return kc, vc, bt.to(device), seq
 
 
-def reference(torch, q, kc, vc, bt, reqs, seq, qsl, scale, masks_for_ref) -> "torch.Tensor":
+def reference(torch, q, kc, vc, bt, reqs, seq, qsl, scale, masks_for_ref):
     """float32 attention per request over K/V gathered from the paged cache: the prefix is
     visible to every row, the request's own rows by its mask (tree/chain: the ancestor mask,
     decode/causal: causal)."""
@@ -745,7 +745,8 @@ def part_compile(args, torch, out_dir: Path, env: dict) -> dict:
                 n0 = len(compiled)
                 tua.unified_attention(
                     q=q, k=kc, v=kc.clone(), out=torch.empty_like(q),
-                    cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32), max_seqlen_q=T, seqused_k=torch.tensor([P + T], dtype=torch.int32), max_seqlen_k=P + T,
+                    cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32), max_seqlen_q=T,
+                    seqused_k=torch.tensor([P + T], dtype=torch.int32), max_seqlen_k=P + T,
                     softmax_scale=D ** -0.5, causal=True, window_size=(-1, -1),
                     block_table=torch.arange(nb, dtype=torch.int32)[None], softcap=0, q_descale=None, k_descale=one,
                     v_descale=one, qq_bias=torch.zeros(T + 16, T) if use_qq else None)
@@ -1202,7 +1203,7 @@ def part_curve(args, torch, device, budget: Budget, out_dir: Path, env: dict) ->
                 write_json(path, res)
                 last_write = time.monotonic()
     bar.close()
-    del cache, model
+    cache = model = None      # freed before the next part
     res["triton_attention_python_calls"] = _TRITON_HOLDER.get("calls", 0)   # (graph replays make none)
     _TRITON_HOLDER.clear()
     st = [c["status"] for c in res["cells"]]

@@ -51,7 +51,8 @@ def main():
     tok = AutoTokenizer.from_pretrained(cfg["model"])
     w = load_file(f"{cfg['model']}/model.safetensors")
     emb = w["model.embed_tokens.weight"].float()
-    d = load_drafter(resolve_shipped_drafter({"model": args.drafter})["model"], emb, w.get("lm_head.weight", emb).float())
+    d = load_drafter(resolve_shipped_drafter({"model": args.drafter})["model"], emb,
+                     w.get("lm_head.weight", emb).float())
     rows = data.read_jsonl(cfg["prompts"]) if cfg["prompts"] else data.make_prompts(
         categories=tuple(outs), n_per_category=cfg["n_per_category"], split="heldout")
     shapes = [tuple(int(x) for x in s.split("-")) for s in args.shapes.split(",")]

@@ -69,7 +69,8 @@ def test_bandit_report_against_its_sweep_and_the_plots(tmp_path):
 
 
 def test_tree_tau_replay_walks_spine_and_leaves():
-    spec = importlib.util.spec_from_file_location("replay", Path(__file__).parent.parent / "scripts" / "tree_tau_replay.py")
+    spec = importlib.util.spec_from_file_location("replay",
+                                                  Path(__file__).parent.parent / "scripts" / "tree_tau_replay.py")
     replay = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(replay)
     # rank of the target's token among the drafter's top tokens at each answer position (0: the
@@ -151,7 +152,8 @@ def test_default_methods_have_suffix_beside_ngram():
 def test_fixed_budget_rows_follow_each_goodput_method():
     args = bench.parse_args(["--methods", "plain,ngram,suffix,lookahead,lookahead_tree,bandit_tree", "--fixed-budget",
                              "--method-config", 'cascade={"method": "cascade", "num_speculative_tokens": 8}',
-                             "--method-config", 'la3={"method": "lookahead", "num_speculative_tokens": 3, "goodput": false}'])
+                             "--method-config",
+                             'la3={"method": "lookahead", "num_speculative_tokens": 3, "goodput": false}'])
     args.methods += ",cascade,la3"
     got = bench.method_configs(args, "M")
     assert list(got) == ["plain", "ngram", "suffix", "lookahead", "lookahead_fixed", "lookahead_tree", "bandit_tree",
@@ -245,8 +247,10 @@ def test_heldout_drops_texts_that_training_has(tmp_path, monkeypatch):
         {"id": f"{held[0]}_0", "conversations": [{"from": "human", "value": "What is the capital of France, please?"}]},
         {"id": f"{held[1]}_0", "conversations": [{"from": "human", "value": "How do I bake bread at home with you?"},
                                                  {"from": "gpt", "value": long}]},
-        {"id": f"{held[2]}_0", "conversations": [{"from": "human", "value": "what is the CAPITAL of   france, please?"}]},
-        {"id": f"{train[0]}_0", "conversations": [{"from": "human", "value": "How do I  bake bread at home with YOU?"}]},
+        {"id": f"{held[2]}_0",
+         "conversations": [{"from": "human", "value": "what is the CAPITAL of   france, please?"}]},
+        {"id": f"{train[0]}_0",
+         "conversations": [{"from": "human", "value": "How do I  bake bread at home with YOU?"}]},
         {"id": f"{train[1]}_0", "conversations": [{"from": "human", "value": "Summarize this for me"},
                                                   {"from": "gpt", "value": long.upper()}]},
     ]

@@ -59,7 +59,8 @@ def test_a_second_work_folder_holds_new_prompts_and_trains_after_the_first(tiny_
     and --also appends that folder's rows after --work's, so --work's held-back rows stay put."""
     ids = lambda rows: [r["id"] for r in rows]                        # noqa: E731
     both = drafters.training_rows(5, 0, 0, 512, tiny_model)
-    first, second = drafters.training_rows(3, 0, 0, 512, tiny_model), drafters.training_rows(2, 0, 0, 512, tiny_model, chat_from=3)
+    first = drafters.training_rows(3, 0, 0, 512, tiny_model)
+    second = drafters.training_rows(2, 0, 0, 512, tiny_model, chat_from=3)
     assert len(both) == 5 and ids(first) + ids(second) == ids(both)
     for w, seed in (("a", 0), ("b", 1)):
         _fake_generations(tmp_path / w, tiny_model, seed=seed)
@@ -91,7 +92,8 @@ def test_cache_train_resume_deterministic(tiny_model, tmp_path):
     for f in ("gen_00000.json", "cache_00000.pt"):
         (tmp_path / "c" / f).write_bytes((tmp_path / "a" / f).read_bytes())
     drafters.train(tiny_model, tmp_path / "c", minutes=5, steps=4, **kw)
-    a, c = torch.load(tmp_path / "a" / "drafter.ckpt")["drafter"], torch.load(tmp_path / "c" / "drafter.ckpt")["drafter"]
+    a = torch.load(tmp_path / "a" / "drafter.ckpt")["drafter"]
+    c = torch.load(tmp_path / "c" / "drafter.ckpt")["drafter"]
     assert all(torch.equal(a[k], c[k]) for k in a)
     fresh = drafters.new_drafter(drafters.load_target(tiny_model, torch.float32), seed=3).state_dict()
     assert not all(torch.equal(a[k], fresh[k]) for k in a)                  # training moved them

@@ -65,8 +65,10 @@ def references(tiny_model, tmp_path_factory):
 def test_sampled_follows_target(method, tiny_model, plain, references, tiny_mamba_drafter):
     # goodput off: drafts every step, so the acceptance under test runs all along
     spec = {"lookahead": {"method": "lookahead", "num_speculative_tokens": 3, "goodput": False},
-            "mamba": {"method": "mamba", "num_speculative_tokens": 3, "model": tiny_mamba_drafter, "goodput": False},
-            "cascade": {"method": "cascade", "num_speculative_tokens": 6, "model": tiny_mamba_drafter, "goodput": False},
+            "mamba": {"method": "mamba", "num_speculative_tokens": 3, "model": tiny_mamba_drafter,
+                      "goodput": False},
+            "cascade": {"method": "cascade", "num_speculative_tokens": 6, "model": tiny_mamba_drafter,
+                        "goodput": False},
             "cascade_lookahead": {"method": "cascade", "levels": ["lookahead", "mamba"], "num_speculative_tokens": 6,
                                   "model": tiny_mamba_drafter, "goodput": False},
             "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 8, "exploration": 1.0},
@@ -95,14 +97,15 @@ SEEDED_SPECS = {
                           "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
     "mamba": {"method": "mamba", "num_speculative_tokens": 4, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba",
               "goodput": False},
-    "cascade": {"method": "cascade", "num_speculative_tokens": 6, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba",
-                "goodput": False},
+    "cascade": {"method": "cascade", "num_speculative_tokens": 6,
+                "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba", "goodput": False},
     "cascade_lookahead": {"method": "cascade", "levels": ["lookahead", "mamba"], "num_speculative_tokens": 6,
                           "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba", "goodput": False},
 }
 
 
-SEEDED_PARAMS = [{"temperature": 0.0}, {"temperature": 0.8}, {"temperature": 1.0, "top_p": 0.9}, {"temperature": 0.9, "top_k": 20}]
+SEEDED_PARAMS = [{"temperature": 0.0}, {"temperature": 0.8}, {"temperature": 1.0, "top_p": 0.9},
+                 {"temperature": 0.9, "top_k": 20}]
 
 
 def _seeded_job(model, prompts, spec=None):
@@ -131,9 +134,10 @@ def plain_seeded(default_model, seeded_prompts):
     return run_isolated(_seeded_job(default_model, seeded_prompts))["groups"]
 
 
-@pytest.mark.parametrize("method", [pytest.param(m, marks=[pytest.mark.slow] if m in ("mamba", "cascade", "cascade_lookahead", "bandit_tree_mamba")
-                                                  else [])
-                                    for m in SEEDED_SPECS])
+@pytest.mark.parametrize("method", [
+    pytest.param(m, marks=[pytest.mark.slow] if m in ("mamba", "cascade", "cascade_lookahead", "bandit_tree_mamba")
+                 else [])
+    for m in SEEDED_SPECS])
 def test_seeded_sampling_equals_plain(method, default_model, seeded_prompts, plain_seeded):
     """Seeded sampled requests (T=0.8, top-p, top-k, each its own seed; greedy ones in the same
     batch), fresh and prefix-cached, give plain vLLM's own output token for token: each emitted
@@ -146,4 +150,5 @@ def test_seeded_sampling_equals_plain(method, default_model, seeded_prompts, pla
     assert got["first"]["accepted"] > 0
     for g in ("first", "again"):
         for i, (a, b) in enumerate(zip(got[g]["outputs"], plain_seeded[g]["outputs"])):
-            assert a == b, f"{method}: {g} pass, request {i} ({SEEDED_PARAMS[i % 4]}, seed {100 + i}) differs from plain vLLM"
+            assert a == b, (f"{method}: {g} pass, request {i} ({SEEDED_PARAMS[i % 4]}, seed {100 + i}) "
+                            "differs from plain vLLM")

@@ -42,6 +42,7 @@ def test_load_mixed_traffic_all_methods(default_model, tmp_path):
                "--kv-blocks", "12", "--eager", "--out", str(tmp_path)])
     reports = json.loads((tmp_path / "load.json").read_text())["reports"]
     assert [r["method"] for r in reports] == ["plain", "lookahead", "mamba_k4", "cascade", "bandit_tree"]
+    assert rc == 0, [(r["method"], r["failures"]) for r in reports if r["failed"]]
     for r in reports:
         assert r["failed"] == 0, (r["method"], r["failures"])
         assert r["completed"] + r["dropped"] + r["malformed"] == 40 and r["dropped"] == 2

@@ -60,8 +60,8 @@ def test_no_dated_run_logs():
         p = ROOT / top
         for f in [p] if p.is_file() else p.rglob("*"):
             if f.is_file() and f.suffix in (".md", ".py", ".c", ".yaml", ".json") and "__pycache__" not in f.parts:
-                hits += [f"{f.relative_to(ROOT)}:{i}" for i, line in enumerate(f.read_text(errors="replace").splitlines(), 1)
-                         if pat.search(line)]
+                lines = f.read_text(errors="replace").splitlines()
+                hits += [f"{f.relative_to(ROOT)}:{i}" for i, line in enumerate(lines, 1) if pat.search(line)]
     assert not hits, hits
 
 
@@ -101,8 +101,9 @@ def _synthetic_result(bench, **extra) -> dict:
                                                           "top2_margin": 0.25, "kind": "near-tie"}]
     out = {"results": results,
            "config": vars(args) | {"model": "/home/u/.cache/vllm_spec_plugins/smollm2-135m-instruct",
-                                   "method_configs": {"plain": None,
-                                                      "lookahead": {"method": "lookahead", "num_speculative_tokens": 6}},
+                                   "method_configs": {
+                                       "plain": None,
+                                       "lookahead": {"method": "lookahead", "num_speculative_tokens": 6}},
                                    "n_prompts": {"chat": 2, "code": 2}},
            "machine": {"platform": "Linux-6.1-x86_64", "cpus": 2, "python": "3.11.7"}}
     out.update(extra)

@@ -258,7 +258,8 @@ def test_bandit_speculates_when_cheap_and_backs_off_when_costly():
     share = chosen(p, skip=100)
     assert share["none"] > 0.8, share
     none_clock = CostClock(1.0, 3.0)
-    run_bandit(BanditTreeProposer(BanditTreeConfig(16, shapes=[[]]), clock=none_clock, vocab_size=50), none_clock, f, prompts, 1200)
+    run_bandit(BanditTreeProposer(BanditTreeConfig(16, shapes=[[]]), clock=none_clock, vocab_size=50), none_clock, f,
+               prompts, 1200)
     assert clock.t <= 1.08 * none_clock.t, (clock.t, none_clock.t)   # exploration included
     assert "none" in p.describe() and p.inspect()["tables"]
 
@@ -283,7 +284,8 @@ def test_bandit_matches_best_fixed_shape_in_hindsight():
         p.clock = clock
         eng = run_bandit(p, clock, f, prompts, 1200)
         return sum(len(r.out) for r in eng.done.values()) / sum(r.steps for r in eng.done.values()), clock.t
-    fixed = {s: run(BanditTreeProposer(BanditTreeConfig(16, shapes=[list(s)]), vocab_size=50)) for s in shape_family(6, 4, 16)}
+    fixed = {s: run(BanditTreeProposer(BanditTreeConfig(16, shapes=[list(s)]), vocab_size=50))
+             for s in shape_family(6, 4, 16)}
     tau, seconds = run(BanditTreeProposer(BanditTreeConfig(16), vocab_size=50))
     assert tau > 2.5, (tau, fixed)          # it speculates deep (fixed: none 1.0, depth 2 <= 2.6)
     assert seconds <= 1.05 * min(sec for _, sec in fixed.values()), (seconds, fixed)
@@ -354,7 +356,8 @@ def test_side_observations_are_exact_for_sub_shapes():
     assert table.pulls[0] <= table.pulls[2] / 20    # only the plain steps that keep the cost's jump measured
     assert table.ntok[0] > 0 and table.ntok[1] > 0                  # tokens seen, never pulled
     # discount 1: the side observations' means are exact counts from the verified chains
-    p2 = BanditTreeProposer(BanditTreeConfig(8, shapes=[[], [1], [1, 1, 1, 1]], discount=1.0), clock=CostClock(1.0, 0.01), vocab_size=50)
+    p2 = BanditTreeProposer(BanditTreeConfig(8, shapes=[[], [1], [1, 1, 1, 1]], discount=1.0),
+                            clock=CostClock(1.0, 0.01), vocab_size=50)
     t2 = p2.table(("global", 1))
     t2.choose = lambda price, allowed=None, w=None: 2
     eng = ToyEngine(p2, f, vocab_size=50)

@@ -625,7 +625,8 @@ def _tau_pair(cases, k, window, ngram, guesses, tree_nodes, vocab=None):
     for tree in (False, True):
         outs = steps = 0
         for f, prompt, n in cases:
-            p = LookaheadProposer(LookaheadConfig(k, window=window, ngram=ngram, guesses=guesses, tree=tree, tree_nodes=tree_nodes), vocab_size=vocab)
+            p = LookaheadProposer(LookaheadConfig(k, window=window, ngram=ngram, guesses=guesses, tree=tree,
+                                                  tree_nodes=tree_nodes), vocab_size=vocab)
             out, st, _ = simulate_tree(p, f, prompt, n, vocab_size=vocab, max_tree_nodes=tree_nodes)
             assert out == greedy(f, prompt, n)
             outs, steps = outs + len(out), steps + st

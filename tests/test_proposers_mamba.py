@@ -30,7 +30,8 @@ def test_chunked_scan_equals_recurrence():
     y, hT = ssd_scan(x, dt, A, B, C, chunk=8, h0=h0)
     h, ys = h0, []
     for t in range(T):
-        h = torch.exp(dt[:, t] * A)[..., None, None] * h + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, None, None]
+        h = (torch.exp(dt[:, t] * A)[..., None, None] * h
+             + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, None, None])
         ys.append((h * C[:, t, None, None]).sum(-1))
     torch.testing.assert_close(y, torch.stack(ys, 1), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(hT, h, rtol=1e-4, atol=1e-4)
@@ -173,7 +174,7 @@ def test_low_precision_matmuls_shrink_the_weights_and_keep_the_proposer_exact(dt
     assert nbytes(dq) == nbytes(d32) // 2 if dtype == torch.bfloat16 else nbytes(d32) // 4 + 2 * n_out
     ids = torch.randint(0, V, (1, 23))
     with torch.no_grad():
-        (h32, s32), (hq, sq) = d32(ids), dq(ids)
+        (h32, _), (hq, sq) = d32(ids), dq(ids)
         assert hq.dtype == torch.float32 and all(t.dtype == torch.float32 for st in sq for t in st)
         lq, l32 = dq.logits(hq), d32.logits(h32)
         assert (lq - l32).abs().max() < 0.05 * l32.abs().max()      # bf16: 8 bits of mantissa; int8: 7

@@ -8,7 +8,6 @@ checked as far as a CPU allows):
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 

@@ -9,7 +9,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 from test_serve import _get, stop
 
 from vllm_spec_plugins import memory

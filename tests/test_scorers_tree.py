@@ -7,8 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_spec_plugins.scorers import (AcceptResult, DraftTree, greedy_accept, pack_trees, reference_tree_attention,
-                                       sampled_accept, tree_attention_bias, verify_batch)
+from vllm_spec_plugins.scorers import (
+    AcceptResult,
+    DraftTree,
+    greedy_accept,
+    pack_trees,
+    reference_tree_attention,
+    sampled_accept,
+    tree_attention_bias,
+    verify_batch,
+)
 
 # ---------------------------------------------------------------------------------------------
 # helpers

@@ -46,7 +46,8 @@ def fold_cli_flags(engine_args) -> dict | None:
         spec = dict(spec or {})
         for flag, key, value in (("--spec-method", "method", method),
                                  ("--spec-model", "model", getattr(engine_args, "spec_model", None)),
-                                 ("--spec-tokens", "num_speculative_tokens", getattr(engine_args, "spec_tokens", None))):
+                                 ("--spec-tokens", "num_speculative_tokens",
+                                  getattr(engine_args, "spec_tokens", None))):
             if value is None:
                 continue
             if key in spec:

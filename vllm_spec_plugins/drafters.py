@@ -14,7 +14,8 @@ Pipeline (every stage resumable, deterministic given ``--seed``, files under ``-
    checkpoints so a second call continues.
 4. ``export``: a folder vLLM's own ``"method": "eagle"`` loads (Llama config with one layer,
    ``model.safetensors`` without embeddings / head: vLLM shares the target's, and ``drafter.json``
-   with the target tokenizer's fingerprint), so the drafter's KV lives in vLLM's paged cache and drafting is vLLM's CUDA-graph loop.
+   with the target tokenizer's fingerprint), so the drafter's KV lives in vLLM's paged cache and
+   drafting is vLLM's CUDA-graph loop.
 
 Why EAGLE and not an early-exit or standalone drafter: measured here, SmolLM2's first 6 layers accept
 3-11% untrained and a 7M standalone model 10-21% after 8 CPU minutes, while a drafter reading the
@@ -459,7 +460,7 @@ def train(target: str, work: Path, minutes: float, steps: int, seed: int, lr: fl
     return ckpt
 
 
-# ---------------------------------------------------------------- 3b. token-only drafters (Mamba, and its Transformer baseline)
+# ---------------------------------------------------------------- 3b. token-only drafters (Mamba, Transformer baseline)
 DRAFT_VOCAB = 8192      # head rows: the most frequent tokens of the teacher data (>= 98% of answer tokens here)
 # The Transformer baseline's MLP width makes its parameter count the Mamba drafter's (4.167M
 # against 4.166M at hidden 576); an earlier baseline ran mlp=768, 4.43M: 6% larger.
@@ -502,7 +503,8 @@ def _token_batch(rows, rng, tokens, max_len):
     tk_i, tk_v, w = torch.zeros(B, T, CACHE_TOPK, dtype=torch.long), torch.zeros(B, T, CACHE_TOPK), torch.zeros(B, T)
     for b, (r, s, e) in enumerate(picked):
         n = e - s
-        ids[b, :n], tk_i[b, :n], tk_v[b, :n] = r["ids"][s:e].long(), r["topk_idx"][s:e].long(), r["topk_val"][s:e].float()
+        ids[b, :n], tk_i[b, :n], tk_v[b, :n] = (r["ids"][s:e].long(), r["topk_idx"][s:e].long(),
+                                                r["topk_val"][s:e].float())
         w[b, :n] = torch.where(torch.arange(s, e) >= r["answer_start"] - 1, 1.0, PROMPT_WEIGHT)
     return ids, tk_i, tk_v, w
 
@@ -566,7 +568,8 @@ def train_ssm(target: str, work: Path, kind: str, minutes: float, steps: int, se
             break
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
-        loss, agree = ssm_loss(d, _token_batch(rows, random.Random(seed * 1_000_003 + step), batch_tokens, max_len), to_draft)
+        batch = _token_batch(rows, random.Random(seed * 1_000_003 + step), batch_tokens, max_len)
+        loss, agree = ssm_loss(d, batch, to_draft)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
@@ -717,7 +720,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-len", type=int, default=640, help="tokens per cached sequence (the tail)")
     ap.add_argument("--dtype", default="bfloat16", help="dtype of the teacher's vLLM runs")
     ap.add_argument("--topk-from-vllm", action="store_true",
-                    help="`generate` also writes the teacher cache from vLLM's logprobs (SSM drafters only: no hidden states)")
+                    help="`generate` also writes the teacher cache from vLLM's logprobs "
+                         "(SSM drafters only: no hidden states)")
     ap.add_argument("--minutes", type=float, default=25.0, help="training time budget (this call)")
     ap.add_argument("--steps", type=int, default=3000, help="training steps (schedule length)")
     ap.add_argument("--lr", type=float, default=1e-3)

@@ -30,8 +30,10 @@ METHODS = {
     # as the serving drop-ins in configs/ (goodput on: the default)
     "lookahead": {"method": "lookahead", "num_speculative_tokens": 6},
     "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 16},
-    "mamba": {"method": "mamba", "num_speculative_tokens": 4, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
-    "cascade": {"method": "cascade", "num_speculative_tokens": 8, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
+    "mamba": {"method": "mamba", "num_speculative_tokens": 4,
+              "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
+    "cascade": {"method": "cascade", "num_speculative_tokens": 8,
+                "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
 }
 JSON_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}, "confidence": {"type": "integer"}},
                "required": ["answer", "confidence"]}
@@ -308,7 +310,8 @@ def run_method(name: str, spec, model: str, reqs: list[dict], a, workdir: Path) 
         c0 = spec_counters(srv.base)
         res, wall = asyncio.run(drive(srv.base, model, reqs, a.concurrency, a.timeout))
         c1 = spec_counters(srv.base)
-        again, _ = asyncio.run(drive(srv.base, model, [r for r in reqs if r["kind"] in SEEDED], a.concurrency, a.timeout))
+        seeded = [r for r in reqs if r["kind"] in SEEDED]
+        again, _ = asyncio.run(drive(srv.base, model, seeded, a.concurrency, a.timeout))
         # The runner hears that a request finished at the engine's next step: one 1-token probe
         # makes that step happen, so only the probe's own state may remain afterwards.
         asyncio.run(drive(srv.base, model, [{"i": -1, "kind": "probe", "body": {"prompt": [1, 2, 3], "max_tokens": 1}}],
@@ -342,7 +345,8 @@ def run_method(name: str, spec, model: str, reqs: list[dict], a, workdir: Path) 
             "latency_p50": _pct(lat, .5), "latency_p90": _pct(lat, .9), "latency_p99": _pct(lat, .99),
             "tau": tau_of(c1["generated"] - c0["generated"], acc) if drafts else None,
             "per_position_acceptance": per_pos,
-            "seeded_repeat_mismatches": repeat_bad, "seeded_repeat_diffs": repeat_diff[:5], "preemptions": c1["preemptions"] - c0["preemptions"], "server_alive": alive,
+            "seeded_repeat_mismatches": repeat_bad, "seeded_repeat_diffs": repeat_diff[:5],
+            "preemptions": c1["preemptions"] - c0["preemptions"], "server_alive": alive,
             "plugin_state_before": base_state, "plugin_state_after": state,
             "plugin_bytes_before": _state_bytes(base_state), "plugin_bytes_after": _state_bytes(state), "results": res}
 

@@ -1,8 +1,9 @@
 """The C kernels (csrc/tree_attention.c, csrc/mamba_step.c), built once per machine and loaded with ctypes.
 
-`library()` (tree attention) and `mamba_step()` compile their source with the system C compiler (`$CC`, else cc/gcc; -O3 -march=native) into
-the plugin's cache folder, keyed by source, flags, compiler and CPU flags, so each worker process
-of a machine loads the same file and a shared home folder never hands one CPU's build to another.
+`library()` (tree attention) and `mamba_step()` compile their source with the system C compiler
+(`$CC`, else cc/gcc; -O3 -march=native) into the plugin's cache folder, keyed by source, flags,
+compiler and CPU flags, so each worker process of a machine loads the same file and a shared home
+folder never hands one CPU's build to another.
 It returns None when no compiler is found, the build fails (one warning), or
 VLLM_SPEC_PLUGINS_NATIVE=0: `tree_attention.cpu_tree_attention` and the Mamba drafter then run
 their torch paths, which compute the same thing more slowly.

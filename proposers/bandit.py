@@ -96,8 +96,8 @@ class DiscountedUCB:
     model's prediction for a step with it times the arm's own ratio of measured to predicted
     seconds over its pulls (what the linear model misses, e.g. a tree step's mask). The ratio is
     taken against the cost model as it is now (`rate(w=...)`: each pull's cost features are kept,
-    summed): ratios against the model of the time went stale as its fit moved, and sank arms
-    pulled early (a run where the 3-1 tree measured 52 tokens/s per request was rated 37). Tokens,
+    summed): ratios against the model of the time go stale as its fit moves, and would sink arms
+    pulled early. Tokens,
     discounted, are also known for arms that were not pulled: a shape whose tree is a subset of
     the verified one would have accepted exactly the verified accepted nodes inside it
     (`step(tokens=...)`), "no speculation" always makes 1, and in a greedy step with the Mamba

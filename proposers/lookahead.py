@@ -469,12 +469,8 @@ class LookaheadProposer(Proposer):
     _DECAY = 0.97             # per-step forgetting of the counts
     #: where the tree carries the Jacobi window: "chain" (after the chain-form candidate, as the
     #: chain form drafts it), "root" (off the root, the paper's lookahead branch) or "both" (each
-    #: scored like any node). Measured tau (scripts/bench.py, SmolLM2-135M, b1 bf16, 4 held-out
-    #: prompts, fixed shapes 1x6 / 4-2-1-1-1-1 / 4-2-2-2-1-1 / 2x6), chat: chain 1.70 / 1.64 / 1.64 /
-    #: 1.62, root 1.53 / 1.57 / 1.60 / 1.56, both 1.59 / 1.57 / 1.59 / 1.57; code: chain 1.91 /
-    #: 1.88 / 2.10 / 2.06, root 1.88 / 1.78 / 1.70 / 1.65, both 1.88 / 1.74 / 1.78 / 1.92. Toy
-    #: targets had ranked them the other way round (within 1%): real text echoes the chain form's
-    #: candidate, and a window after it iterates on the tokens most likely to be accepted.
+    #: scored like any node). "chain" by default: real text echoes the chain form's candidate, and
+    #: a window after it iterates on the tokens most likely to be accepted.
     window_at = "chain"
     #: prior rate of each chain-form token class (`Goodput`): index (2 * source + continuation) * D + depth
     #: (sources 0..3 as the tree form's, 4: the shared pool)

@@ -177,7 +177,7 @@ class PluginProposer:
 
     # Called from the `_sample` wrapper, before sampling: one argmax per verified position. A step
     # that verified no drafts needs none: a greedy row's argmax is the token it samples (set in
-    # `propose_for_runner`), which saves an argmax over the whole batch's logits (~1 ms at batch 32).
+    # `propose_for_runner`), which saves an argmax over the whole batch's logits.
     def record_target_argmax(self, logits, spec_decode_metadata) -> None:
         if spec_decode_metadata is None:
             self._argmax = None

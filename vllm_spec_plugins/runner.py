@@ -13,9 +13,9 @@ import sys
 import time
 
 # No OMP_WAIT_POLICY: the OpenMP runtime's default is what `vllm serve` runs with. PASSIVE
-# (threads sleep between parallel regions) slows vLLM's CPU decode ~40% at batch 1 here
-# (plain 24.5 vs 41.8 tok/s, SmolLM2-135M bf16, scripts/omp_policy.py); the test suite sets it
-# (tests/conftest.py), for engines that share 2 cores with pytest, not for speed.
+# (threads sleep between parallel regions) slows vLLM's CPU decode (scripts/omp_policy.py
+# measures it); the test suite sets it (tests/conftest.py), for engines that share the cores
+# with pytest, not for speed.
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "2",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

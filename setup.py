@@ -25,8 +25,8 @@ setup(
     python_requires=">=3.10",
     # The top-level folders proposers/, scorers/ and configs/ install inside the package:
     # `vllm_spec_plugins.configs` holds the YAML drop-ins (`vllm-spec serve --config lookahead`).
-    packages=["vllm_spec_plugins", "vllm_spec_plugins.patches", "vllm_spec_plugins.proposers",
-              "vllm_spec_plugins.scorers", "vllm_spec_plugins.configs"],
+    packages=["vllm_spec_plugins", "vllm_spec_plugins.patches", "vllm_spec_plugins.tools",
+              "vllm_spec_plugins.proposers", "vllm_spec_plugins.scorers", "vllm_spec_plugins.configs"],
     package_dir={"vllm_spec_plugins": "vllm_spec_plugins",
                  "vllm_spec_plugins.proposers": "proposers",
                  "vllm_spec_plugins.scorers": "scorers",

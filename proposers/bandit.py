@@ -175,7 +175,7 @@ class DiscountedUCB:
                 self.resx[a] = [v / n * min(n, weight) for v in other.resx[a]]
 
 
-MAMBA_FOLDER_HELP = ("its folder (`python -m vllm_spec_plugins.drafters --drafter mamba`) or "
+MAMBA_FOLDER_HELP = ("its folder (`python -m vllm_spec_plugins.tools.drafters --drafter mamba`) or "
                      "'vllm_spec_plugins:smollm2-135m-instruct-mamba' (shipped)")
 
 

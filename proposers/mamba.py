@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from vllm_spec_plugins.proposers.base import GOODPUT_HELP, BuildEnv, MethodConfig, Proposer, StepContext, key
 
 #: help text of a `model` key naming a Mamba drafter
-DRAFTER_HELP = ("Mamba drafter folder made by `python -m vllm_spec_plugins.drafters --drafter mamba`, or "
+DRAFTER_HELP = ("Mamba drafter folder made by `python -m vllm_spec_plugins.tools.drafters --drafter mamba`, or "
                 "'vllm_spec_plugins:smollm2-135m-instruct-mamba' (shipped)")
 
 

@@ -3,7 +3,7 @@
     python scripts/bench.py --methods plain,ngram,suffix,lookahead --prompts fresh --max-tokens 64 \
         --temperature 0 --batch-size 1 --cold --fixed-budget --json out.json [--method-config NAME=JSON ...]
 
-Prompts (--prompts): `heldout` (default: the held-out split of vllm_spec_plugins.data), `fresh`
+Prompts (--prompts): `heldout` (default: the held-out split of vllm_spec_plugins.tools.data), `fresh`
 (written for the benchmark, never tuned on: chat, code, repetitive) or a .jsonl file; rows are
 de-duplicated by normalised text, and against the --warm prompts. `--cold`: every engine serves the
 measured prompts as its first requests (no warm-up at all); with --warm N as well, both conditions
@@ -42,12 +42,12 @@ DEFAULT_CONFIGS = {
     # vLLM's own draft_model with the target's first 6 layers (no training: a baseline);
     # the drafter folder is built on first use.
     "draft_model": lambda model: {"method": "draft_model", "num_speculative_tokens": 3,
-                                  "model": str(__import__("vllm_spec_plugins.models", fromlist=["x"])
+                                  "model": str(__import__("vllm_spec_plugins.tools.models", fromlist=["x"])
                                                .build_truncated_model(model, 6))},
     # vLLM's own EAGLE with the drafter this project trains for SmolLM2-135M-Instruct
-    # (python -m vllm_spec_plugins.drafters; shipped in vllm_spec_plugins/assets/)
+    # (python -m vllm_spec_plugins.tools.drafters; shipped in vllm_spec_plugins/assets/)
     "eagle": lambda model: {"method": "eagle", "num_speculative_tokens": 4,
-                            "model": str(__import__("vllm_spec_plugins.drafters", fromlist=["x"])
+                            "model": str(__import__("vllm_spec_plugins.tools.drafters", fromlist=["x"])
                                          .shipped_drafter())},
     # the plugin's Mamba drafter trained for SmolLM2-135M-Instruct (shipped)
     "mamba": {"method": "mamba", "num_speculative_tokens": 4, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
@@ -345,7 +345,7 @@ def print_cascade(results, cats):
 
 def load_rows(args) -> list[dict]:
     """The measured prompt rows of --prompts (heldout / fresh / a jsonl file) and --categories."""
-    from vllm_spec_plugins import data
+    from vllm_spec_plugins.tools import data
     src = args.prompts or "heldout"
     cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     n = args.n_per_category if args.n_per_category > 0 else None
@@ -360,7 +360,7 @@ def load_rows(args) -> list[dict]:
 def warm_rows(cats: list, n: int) -> list[dict]:
     """n training-split prompts per category, tagged with that category (a category without its
     own training prompts, e.g. fresh 'repetitive', draws them from WARM_SOURCE's)."""
-    from vllm_spec_plugins import data
+    from vllm_spec_plugins.tools import data
     out = []
     for cat in cats:
         src = WARM_SOURCE.get(cat, cat)
@@ -373,7 +373,7 @@ def warm_rows(cats: list, n: int) -> list[dict]:
 def group_rows(rows: list, exclude: list = ()) -> tuple[dict, dict]:
     """({category: rows}, {category: ids dropped}): rows de-duplicated by normalised text, among
     themselves and against `exclude` (the warm-up prompts)."""
-    from vllm_spec_plugins import data
+    from vllm_spec_plugins.tools import data
     kept, dropped = data.dedupe_rows(rows, exclude)
     groups: dict[str, list] = {}
     for r in kept:
@@ -737,7 +737,7 @@ def run_interleaved(jobs: dict, groups: dict, n: int, env: dict, tqdm) -> dict:
     """`run_isolated`'s results for every job, measured in turns: all engines up (and warmed),
     then for each turn of n prompts of a category every engine serves them, the first engine
     rotating from turn to turn."""
-    from vllm_spec_plugins.runner import EngineProcess, merge_groups
+    from vllm_spec_plugins.tools.runner import EngineProcess, merge_groups
     engines: dict = {}
     try:
         for name, j in tqdm(jobs.items(), desc="engines up", unit="engine"):
@@ -762,7 +762,7 @@ def conditions(args) -> list[str]:
 def measure(args, configs: dict, groups: dict, base: dict, env: dict, tqdm) -> tuple[dict, dict]:
     """(results, raw) of every config over `groups` with the engine settings in `base`: each
     config in its own process (or all up at once with --interleave), plain first and last."""
-    from vllm_spec_plugins.runner import run_isolated
+    from vllm_spec_plugins.tools.runner import run_isolated
     greedy = args.temperature == 0.0
     raw = {}
     runs = list(configs.items()) * args.repeats + ([] if args.no_plain_rerun or args.repeats > 1
@@ -857,7 +857,7 @@ def main(argv=None):
     host, git = host_record(), git_state()
     model = args.model
     if model is None:
-        from vllm_spec_plugins.models import build_default_model
+        from vllm_spec_plugins.tools.models import build_default_model
         model = str(build_default_model())
     configs = method_configs(args, model)
     rows = load_rows(args)
@@ -877,7 +877,7 @@ def main(argv=None):
             "llm_kwargs": {"enforce_eager": True} if args.eager else {}}
     base["tag_category"] = True      # extra_args={"category": ...}: bandit_tree's scope may key on it
     env = {"OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": args.omp_wait_policy or None}
-    from vllm_spec_plugins.runner import ENGINE_ENV
+    from vllm_spec_plugins.tools.runner import ENGINE_ENV
     host["engine_env"] = {k: v for k, v in {**ENGINE_ENV, **env}.items() if v is not None}   # on top of "env"
     by_cond = {}
     for cond in conds:

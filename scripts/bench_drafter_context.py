@@ -40,8 +40,8 @@ def measure(path: str, target: str, contexts: list[int], k: int, repeats: int) -
 
 
 def main() -> int:
-    from vllm_spec_plugins.drafters import random_ssm_drafter
-    from vllm_spec_plugins.models import default_model_dir
+    from vllm_spec_plugins.tools.drafters import random_ssm_drafter
+    from vllm_spec_plugins.tools.models import default_model_dir
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None)
     ap.add_argument("--mamba", default=None,

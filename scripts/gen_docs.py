@@ -186,7 +186,7 @@ def host_of(out: dict) -> str:
 def _prompts(cfg: dict) -> str:
     n = cfg.get("n_prompts") or {}
     counts = ", ".join(f"{c} {k}" for c, k in n.items())
-    src = f"`{cfg['prompts']}`" if cfg.get("prompts") else "the held-out split (`vllm_spec_plugins.data`)"
+    src = f"`{cfg['prompts']}`" if cfg.get("prompts") else "the held-out split (`vllm_spec_plugins.tools.data`)"
     return f"{src}: {counts}" if counts else src
 
 

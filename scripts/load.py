@@ -2,7 +2,7 @@
 
     python scripts/load.py --requests 64 --concurrency 32 --out out/load
 """
-from vllm_spec_plugins.load import main
+from vllm_spec_plugins.tools.load import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

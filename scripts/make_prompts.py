@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 try:
-    from vllm_spec_plugins.data import CATEGORIES, FRESH_CATEGORIES, fresh_prompts, make_prompts, write_jsonl
+    from vllm_spec_plugins.tools.data import CATEGORIES, FRESH_CATEGORIES, fresh_prompts, make_prompts, write_jsonl
 except ImportError:  # running from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from vllm_spec_plugins.data import CATEGORIES, FRESH_CATEGORIES, fresh_prompts, make_prompts, write_jsonl
+    from vllm_spec_plugins.tools.data import CATEGORIES, FRESH_CATEGORIES, fresh_prompts, make_prompts, write_jsonl
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ VARIANTS = [(policy, numba) for policy in ("PASSIVE", None, "ACTIVE") for numba 
 def _child(prompts: int, max_tokens: int, numba: bool) -> dict:
     from vllm import LLM, SamplingParams
 
-    from vllm_spec_plugins.models import default_model_dir
+    from vllm_spec_plugins.tools.models import default_model_dir
     llm = LLM(model=str(default_model_dir()), dtype="bfloat16", enforce_eager=True, max_num_seqs=1,
               max_model_len=2048, seed=0)
     if numba:   # what vLLM's NgramProposer does at start-up: one parallel numba call
@@ -59,7 +59,7 @@ def main() -> None:
         return
     from tqdm import tqdm
 
-    from vllm_spec_plugins.runner import _child_env
+    from vllm_spec_plugins.tools.runner import _child_env
     rows = []
     for policy, numba in tqdm(VARIANTS, desc="variants", unit="engine"):
         env = _child_env({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(a.threads),

@@ -50,12 +50,12 @@ def main(argv=None):
     import ray
     from tqdm import tqdm
 
-    from vllm_spec_plugins import data
     from vllm_spec_plugins.ray_replicas import ReplicaRouter
-    from vllm_spec_plugins.runner import ENGINE_ENV, to_token_prompts
+    from vllm_spec_plugins.tools import data
+    from vllm_spec_plugins.tools.runner import ENGINE_ENV, to_token_prompts
     model = args.model
     if model is None:
-        from vllm_spec_plugins.models import build_default_model
+        from vllm_spec_plugins.tools.models import build_default_model
         model = str(build_default_model())
     rows = data.read_jsonl(args.prompts) if args.prompts else data.make_prompts(
         categories=("chat", "code"), n_per_category=16, split="heldout")

@@ -42,10 +42,10 @@ def main():
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from vllm_spec_plugins import data
     from vllm_spec_plugins.config import resolve_shipped_drafter
     from vllm_spec_plugins.proposers.mamba import load_drafter
-    from vllm_spec_plugins.runner import to_token_prompts
+    from vllm_spec_plugins.tools import data
+    from vllm_spec_plugins.tools.runner import to_token_prompts
     bench = json.load(open(args.bench_json))
     cfg, outs = bench["config"], bench["outputs"][args.method]
     tok = AutoTokenizer.from_pretrained(cfg["model"])

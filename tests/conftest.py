@@ -21,25 +21,25 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def default_model():
-    from vllm_spec_plugins.models import build_default_model
+    from vllm_spec_plugins.tools.models import build_default_model
     return str(build_default_model())
 
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    from vllm_spec_plugins.models import build_tiny_model, cache_root
+    from vllm_spec_plugins.tools.models import build_tiny_model, cache_root
     return str(build_tiny_model(cache_root() / "tiny-test-llama", seed=0, force=False))
 
 
 @pytest.fixture(scope="session")
 def heldout_prompts():
-    from vllm_spec_plugins.data import make_prompts
+    from vllm_spec_plugins.tools.data import make_prompts
     return make_prompts(categories=("chat", "code"), n_per_category=4, split="heldout")
 
 
 @pytest.fixture(scope="session")
 def tiny_mamba_drafter(tiny_model, tmp_path_factory):
     """An untrained Mamba drafter for the tiny model (lossless whatever it drafts)."""
-    from vllm_spec_plugins.drafters import random_ssm_drafter
+    from vllm_spec_plugins.tools.drafters import random_ssm_drafter
     return str(random_ssm_drafter(tiny_model, tmp_path_factory.mktemp("drafter") / "mamba", seed=0,
                                   head_dim=16, d_state=16))

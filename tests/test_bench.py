@@ -183,7 +183,7 @@ def _args(*argv):
 
 
 def test_fresh_prompt_file_loads_as_categories():
-    from vllm_spec_plugins import data
+    from vllm_spec_plugins.tools import data
     rows = data.fresh_prompts()
     counts = {c: sum(r["category"] == c for r in rows) for c in data.FRESH_CATEGORIES}
     assert counts == {"chat": 16, "code": 12, "repetitive": 12}
@@ -203,7 +203,7 @@ def test_fresh_prompt_file_loads_as_categories():
 
 
 def test_fresh_prompts_are_not_in_the_datasets():
-    from vllm_spec_plugins import data
+    from vllm_spec_plugins.tools import data
     seen = data.train_text_keys()
     seen |= {data._key(m["content"]) for c in data.sharegpt_conversations("heldout") for m in c["messages"]}
     seen |= {data._key(p["prompt"]) for p in data.humaneval_problems(None)}
@@ -213,7 +213,7 @@ def test_fresh_prompts_are_not_in_the_datasets():
 
 
 def test_dedupe_by_normalised_text_and_against_warm_up():
-    from vllm_spec_plugins import data
+    from vllm_spec_plugins.tools import data
     assert data.normalize_text("  Hello\n\tWORLD  ") == "hello world"
     rows = [{"category": "chat", "id": "a", "messages": [{"role": "user", "content": "Tell me a joke."}]},
             {"category": "chat", "id": "b", "messages": [{"role": "user", "content": "tell  me a\nJOKE."}]},
@@ -228,7 +228,7 @@ def test_dedupe_by_normalised_text_and_against_warm_up():
 
 
 def _ids_in(split, n, prefix):
-    from vllm_spec_plugins import data
+    from vllm_spec_plugins.tools import data
     out, i = [], 0
     while len(out) < n:
         if data.split_of(f"{prefix}{i}") == split:
@@ -240,7 +240,7 @@ def _ids_in(split, n, prefix):
 def test_heldout_drops_texts_that_training_has(tmp_path, monkeypatch):
     """ShareGPT repeats a text under several ids: a held-out prompt whose normalised text is a
     message of a training conversation (or a warm-up prompt) is not measured."""
-    from vllm_spec_plugins import data
+    from vllm_spec_plugins.tools import data
     held, train = _ids_in("heldout", 3, "h"), _ids_in("train", 2, "t")
     long = "This is a long enough answer about the history of the bicycle and why it matters. " * 12
     convs = [

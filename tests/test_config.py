@@ -139,7 +139,7 @@ def test_register_idempotent_and_version_guard():
 
 
 def test_mamba_drafter_checked_before_start(tiny_model, tiny_mamba_drafter, tmp_path):
-    from vllm_spec_plugins.drafters import random_ssm_drafter
+    from vllm_spec_plugins.tools.drafters import random_ssm_drafter
     vc = engine_config(tiny_model, {"method": "mamba", "model": tiny_mamba_drafter, "num_speculative_tokens": 3})
     params = vc.additional_config[cfg.ADDITIONAL_KEY]
     assert params["model"] == tiny_mamba_drafter and params["target"] == tiny_model
@@ -161,7 +161,7 @@ def test_corrupt_drafter_folder_names_the_file(broken, tiny_mamba_drafter, tmp_p
 
 
 def test_cascade_reaches_vllm_config_and_checks_its_drafter(tiny_model, tiny_mamba_drafter, tmp_path):
-    from vllm_spec_plugins.drafters import random_ssm_drafter
+    from vllm_spec_plugins.tools.drafters import random_ssm_drafter
     vc = engine_config(tiny_model, {"method": "cascade", "model": tiny_mamba_drafter, "drafter_steps": 2})
     params = vc.additional_config[cfg.ADDITIONAL_KEY]
     assert params["levels"] == ["ngram", "mamba"] and params["drafter_steps"] == 2
@@ -174,7 +174,7 @@ def test_cascade_reaches_vllm_config_and_checks_its_drafter(tiny_model, tiny_mam
 
 
 def test_bandit_tree_mamba_drafter_reaches_vllm_config_and_is_checked(tiny_model, tiny_mamba_drafter, tmp_path):
-    from vllm_spec_plugins.drafters import random_ssm_drafter
+    from vllm_spec_plugins.tools.drafters import random_ssm_drafter
     vc = engine_config(tiny_model, {"method": "bandit_tree", "drafter": "mamba", "model": tiny_mamba_drafter})
     params = vc.additional_config[cfg.ADDITIONAL_KEY]
     assert params["drafter"] == "mamba" and params["model"] == tiny_mamba_drafter and params["target"] == tiny_model

@@ -1,4 +1,4 @@
-"""The drafter pipeline (vllm_spec_plugins.drafters): the EAGLE head computes what vLLM's
+"""The drafter pipeline (vllm_spec_plugins.tools.drafters): the EAGLE head computes what vLLM's
 EagleLlamaForCausalLM computes (checked against transformers' Llama layer with the same weights),
 and its export loads into vLLM's own `eagle` method."""
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from vllm_spec_plugins import drafters
+from vllm_spec_plugins.tools import drafters
 
 
 def _hf_layer(cfg_dict, d):
@@ -151,8 +151,8 @@ def test_unrolled_loss_trains(tiny_model, tmp_path):
 def test_export_runs_in_vllm_eagle_lossless(tiny_model, tmp_path):
     """vLLM's own `eagle` method loads an exported drafter (every weight name known to it) and
     its greedy output equals plain vLLM's (float32)."""
-    from vllm_spec_plugins.data import make_prompts
-    from vllm_spec_plugins.runner import run_isolated
+    from vllm_spec_plugins.tools.data import make_prompts
+    from vllm_spec_plugins.tools.runner import run_isolated
     d = drafters.new_drafter(drafters.load_target(tiny_model, torch.float32), seed=0)
     path = drafters.export_drafter(d, tiny_model, tmp_path / "eagle")
     assert json.loads((path / "drafter.json").read_text())["target_hidden_size"] == 64
@@ -188,8 +188,8 @@ def test_shipped_drafter_accepts_in_vllm_what_it_accepts_offline(default_model, 
     vLLM's, and vLLM's accepted-token counter equals what the same weights accept when replayed
     here in torch (so vLLM computes the drafter this project trained: layout, rotary, fc order,
     and at k=3 the drafter's own features fed back, as the training-time test trains it)."""
-    from vllm_spec_plugins.data import make_prompts
-    from vllm_spec_plugins.runner import run_isolated
+    from vllm_spec_plugins.tools.data import make_prompts
+    from vllm_spec_plugins.tools.runner import run_isolated
     rows = make_prompts(categories=("chat", "code"), n_per_category=4)
     job = {"model": default_model, "groups": {"all": rows}, "max_tokens": 32, "temperature": 0.0,
            "batch_size": 1, "dtype": "float32", "llm_kwargs": {"enforce_eager": True}}
@@ -209,7 +209,7 @@ def test_teacher_cache_from_vllm_logprobs_is_the_targets_topk(tiny_model, tmp_pa
     """`generate --topk-from-vllm` writes teacher rows whose top-k at position i is the target's
     distribution of token i + 1 (checked against the target's own float32 logits), so an SSM
     drafter trains on them as on the `cache` stage's rows."""
-    from vllm_spec_plugins.data import make_prompts
+    from vllm_spec_plugins.tools.data import make_prompts
     rows = make_prompts(categories=("chat", "code"), n_per_category=2)
     drafters.generate(tiny_model, tmp_path, rows, max_tokens=12, batch=4, dtype="float32",
                       topk_from_vllm=True, max_len=40)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from vllm_spec_plugins.runner import EngineProcess, merge_groups, run_isolated
+from vllm_spec_plugins.tools.runner import EngineProcess, merge_groups, run_isolated
 
 MAX_TOKENS = 32
 
@@ -119,7 +119,7 @@ def test_engine_process_serves_turns(default_model, heldout_prompts, plain):
 def test_bench_engines_keep_the_openmp_default_wait_policy(monkeypatch):
     """Benchmark engines must not inherit OMP_WAIT_POLICY=PASSIVE (this suite's setting): it
     slows vLLM's CPU decode ~40% at batch 1 (scripts/omp_policy.py). bench.py passes None."""
-    from vllm_spec_plugins.runner import ENGINE_ENV, _child_env
+    from vllm_spec_plugins.tools.runner import ENGINE_ENV, _child_env
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     assert "OMP_WAIT_POLICY" not in ENGINE_ENV
     assert "OMP_WAIT_POLICY" not in _child_env({"OMP_WAIT_POLICY": None, "OMP_NUM_THREADS": "2"})

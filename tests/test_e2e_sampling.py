@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from vllm_spec_plugins.runner import run_isolated
+from vllm_spec_plugins.tools.runner import run_isolated
 
 N, TOKENS = 600, 4
 
@@ -124,7 +124,7 @@ def seeded_prompts(default_model, heldout_prompts):
     block), so each is admitted as a decode padded with placeholder drafts."""
     from transformers import AutoTokenizer
 
-    from vllm_spec_plugins.runner import to_token_prompts
+    from vllm_spec_plugins.tools.runner import to_token_prompts
     toks = [t for p in to_token_prompts(AutoTokenizer.from_pretrained(default_model), heldout_prompts) for t in p]
     return [toks[37 * i: 37 * i + 129] for i in range(8)]
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from vllm_spec_plugins.runner import run_isolated
+from vllm_spec_plugins.tools.runner import run_isolated
 
 MAX_TOKENS, DEPTH, NODES = 24, 3, 10
 

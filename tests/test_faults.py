@@ -5,7 +5,7 @@ are dropped, the engine keeps serving, and every request's greedy output still e
 import pytest
 
 from vllm_spec_plugins.proposer import INJECT_FAULT_ENV, StepFaults
-from vllm_spec_plugins.runner import run_isolated
+from vllm_spec_plugins.tools.runner import run_isolated
 
 SHIPPED_MAMBA = "vllm_spec_plugins:smollm2-135m-instruct-mamba"
 

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from vllm_spec_plugins import load
-from vllm_spec_plugins.load import main
-from vllm_spec_plugins.runner import _with_rates, tau_of
+from vllm_spec_plugins.tools import load
+from vllm_spec_plugins.tools.load import main
+from vllm_spec_plugins.tools.runner import _with_rates, tau_of
 
 
 def test_load_and_bench_compute_tau_the_same_way(monkeypatch):

@@ -1,4 +1,4 @@
-"""Tests for vllm_spec_plugins.models (local model folders) and vllm_spec_plugins.data (prompts).
+"""Tests for vllm_spec_plugins.tools.models (local model folders) and vllm_spec_plugins.tools.data (prompts).
 
 Fast tests build a tiny random model (seconds). The GGUF -> HF conversion of the default model
 is marked slow (run with ``-m slow``).
@@ -18,8 +18,8 @@ try:
 except ImportError:  # running pytest without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_spec_plugins import data as D  # noqa: E402
-from vllm_spec_plugins import models as M  # noqa: E402
+from vllm_spec_plugins.tools import data as D  # noqa: E402
+from vllm_spec_plugins.tools import models as M  # noqa: E402
 
 
 def _sha256(p: Path) -> str:

@@ -215,7 +215,7 @@ def test_wheel_in_a_clean_venv_serves_a_packaged_dropin(tmp_path):
     env |= {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     probe = _run([str(py), "-c",
                   "import json, vllm_spec_plugins as p; from importlib.resources import files; "
-                  "from vllm_spec_plugins.drafters import shipped_drafter as d; "
+                  "from vllm_spec_plugins.tools.drafters import shipped_drafter as d; "
                   "print(json.dumps([p.__file__, sorted(x.name for x in files('vllm_spec_plugins.configs').iterdir()), "
                   "str(d('smollm2-135m-instruct-mamba')), str(d('smollm2-135m-instruct-eagle'))]))"],
                  cwd=cwd, env=env)

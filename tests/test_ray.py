@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from vllm_spec_plugins.runner import run_isolated
+from vllm_spec_plugins.tools.runner import run_isolated
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 24
@@ -56,8 +56,8 @@ def ray_cluster():
 
 
 def test_two_speculating_replicas_32_concurrent_requests(ray_cluster, default_model):
-    from vllm_spec_plugins.data import make_prompts
     from vllm_spec_plugins.ray_replicas import ReplicaRouter
+    from vllm_spec_plugins.tools.data import make_prompts
     rows = make_prompts(categories=("chat", "code"), n_per_category=16, split="heldout")
     plain = run_isolated({"model": default_model, "groups": {"all": rows}, "max_tokens": MAX_TOKENS,
                           "temperature": 0.0, "batch_size": 32, "dtype": "float32", "max_model_len": 2048,

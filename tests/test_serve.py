@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_spec_plugins.runner import run_isolated
+from vllm_spec_plugins.tools.runner import run_isolated
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("ray"))

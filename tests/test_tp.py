@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from vllm_spec_plugins.runner import run_isolated
+from vllm_spec_plugins.tools.runner import run_isolated
 
 # VLLM_ALLOW_INSECURE_SERIALIZATION: collective_rpc(plugin_state_summary) sends a function to the
 # worker processes, which vLLM's msgpack transport only pickles when allowed (local test only).

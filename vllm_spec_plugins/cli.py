@@ -95,7 +95,7 @@ def _default_model_if_missing(argv: list[str]) -> list[str]:
             with open(path) as f:
                 if "model" in (yaml.safe_load(f) or {}):
                     return argv
-    from vllm_spec_plugins.models import build_default_model
+    from vllm_spec_plugins.tools.models import build_default_model
     return argv[:2] + [str(build_default_model())] + argv[2:]
 
 

@@ -103,11 +103,11 @@ def _check_ssm_drafter(path: str, method: str = "mamba") -> None:
     import os
     if not os.path.isdir(path):
         raise ValueError(f"speculative_config.model={path!r} does not exist or is not a folder "
-                         "(make one with: python -m vllm_spec_plugins.drafters --drafter mamba)")
+                         "(make one with: python -m vllm_spec_plugins.tools.drafters --drafter mamba)")
     for f in ("drafter.json", "config.json", "model.safetensors"):
         if not os.access(os.path.join(path, f), os.R_OK):
             raise ValueError(f"speculative_config.model={path!r} has no readable {f}: not a drafter "
-                             "made by python -m vllm_spec_plugins.drafters --drafter mamba")
+                             "made by python -m vllm_spec_plugins.tools.drafters --drafter mamba")
     for f in ("drafter.json", "config.json"):
         try:
             with open(os.path.join(path, f)) as fh:
@@ -133,12 +133,12 @@ def _check_ssm_drafter(path: str, method: str = "mamba") -> None:
 
 
 SHIPPED_PREFIX = "vllm_spec_plugins:"
-#: the file that marks a folder as a drafter exported by `vllm_spec_plugins.drafters`
+#: the file that marks a folder as a drafter exported by `vllm_spec_plugins.tools.drafters`
 DRAFTER_MARKER = "drafter.json"
 
 
 def shipped_drafter(name: str = "smollm2-135m-instruct-eagle"):
-    """Path of a drafter shipped in the package (`python -m vllm_spec_plugins.drafters path`)."""
+    """Path of a drafter shipped in the package (`python -m vllm_spec_plugins.tools.drafters path`)."""
     from pathlib import Path
     p = Path(__file__).parent / "assets" / name
     if not (p / DRAFTER_MARKER).exists():
@@ -161,12 +161,12 @@ def resolve_shipped_drafter(spec):
 
 def check_drafter_marker(spec, target_dir: str) -> None:
     """vLLM's own `eagle` / `draft_model` pointed at a drafter exported by
-    `vllm_spec_plugins.drafters` (a folder with drafter.json): refuse it, before the engine
+    `vllm_spec_plugins.tools.drafters` (a folder with drafter.json): refuse it, before the engine
     starts, when it was trained for a target with another tokenizer or hidden size. Other
     folders are left to vLLM unchanged."""
     import os
 
-    from vllm_spec_plugins.models import _read_json, model_vocab_size, tokenizer_fingerprint
+    from vllm_spec_plugins.tools.models import _read_json, model_vocab_size, tokenizer_fingerprint
     path = spec.get("model") if isinstance(spec, dict) else None
     marker = os.path.join(path, "drafter.json") if isinstance(path, str) else ""
     if not marker or not os.path.isfile(marker) or not os.path.isdir(str(target_dir)):
@@ -177,7 +177,7 @@ def check_drafter_marker(spec, target_dir: str) -> None:
         raise ValueError(f"speculative_config.model={path!r} is a drafter for another tokenizer "
                          f"(drafter.json: {meta.get('target_tokenizer', '?')[:12]}, vocab "
                          f"{meta.get('target_vocab_size')}; target {target_dir!r}: {fp[:12]}, vocab "
-                         f"{vocab}); retrain it with python -m vllm_spec_plugins.drafters")
+                         f"{vocab}); retrain it with python -m vllm_spec_plugins.tools.drafters")
     hidden = _read_json(os.path.join(target_dir, "config.json")).get("hidden_size")
     if meta.get("target_hidden_size") not in (None, hidden):
         raise ValueError(f"speculative_config.model={path!r} reads hidden states of size "

@@ -52,7 +52,7 @@ def _compiler() -> str | None:
 
 def build(out_dir: Path | None = None, source: Path = SRC) -> Path:
     """Compile `source` (if not built yet) and return the shared library's path."""
-    from vllm_spec_plugins.models import cache_root
+    from vllm_spec_plugins.tools.models import cache_root
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set CC, or install gcc)")

@@ -13,9 +13,9 @@ torch / transformers / gguf are imported lazily inside functions; vLLM is never 
 
 CLI::
 
-    python -m vllm_spec_plugins.models build-default [OUT] [--force]
-    python -m vllm_spec_plugins.models build-tiny OUT [--seed 0] [--dtype float32] ...
-    python -m vllm_spec_plugins.models same-tokenizer DIR_A DIR_B
+    python -m vllm_spec_plugins.tools.models build-default [OUT] [--force]
+    python -m vllm_spec_plugins.tools.models build-tiny OUT [--seed 0] [--dtype float32] ...
+    python -m vllm_spec_plugins.tools.models same-tokenizer DIR_A DIR_B
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ _BOS_ID, _EOS_ID, _PAD_ID = 1, 2, 2
 
 def _log(msg: str) -> None:
     # progress goes to stderr: stdout stays clean for CLIs that print the folder
-    print(f"[vllm_spec_plugins.models] {msg}", file=sys.stderr, flush=True)
+    print(f"[vllm_spec_plugins.tools.models] {msg}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -589,7 +589,7 @@ def same_tokenizer(dir_a: str | os.PathLike, dir_b: str | os.PathLike) -> tuple[
 def _main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m vllm_spec_plugins.models")
+    ap = argparse.ArgumentParser(prog="python -m vllm_spec_plugins.tools.models")
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("build-default", help="convert the packaged SmolLM2-135M-Instruct GGUF")
     a.add_argument("out", nargs="?", default=None, help=f"default: {default_model_dir()}")

@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from vllm_spec_plugins.runner import tau_of
+from vllm_spec_plugins.tools.runner import tau_of
 
 METHODS = {
     "plain": None,
@@ -154,8 +154,8 @@ def workload(model: str, n: int, max_tokens: int, max_model_len: int, seed: int 
 
     from transformers import AutoTokenizer
 
-    from vllm_spec_plugins.data import make_prompts
-    from vllm_spec_plugins.runner import to_token_prompts
+    from vllm_spec_plugins.tools.data import make_prompts
+    from vllm_spec_plugins.tools.runner import to_token_prompts
     tok = AutoTokenizer.from_pretrained(model)
     rows = make_prompts(categories=("chat", "code", "summarize"), n_per_category=max(4, n // 6 + 1), split="heldout")
     prompts = to_token_prompts(tok, rows)
@@ -418,7 +418,7 @@ def plot(reports: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vllm_spec_plugins.models import default_model_dir
+    from vllm_spec_plugins.tools.models import default_model_dir
     ap = argparse.ArgumentParser(prog="scripts/load.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="target folder (default: the embedded SmolLM2-135M)")
     ap.add_argument("--methods", default="plain,lookahead,bandit_tree,mamba,cascade",

@@ -234,7 +234,7 @@ def _child_env(env: dict | None) -> dict:
 
 def run_isolated(job: dict, env: dict | None = None, timeout: float = 1800) -> dict:
     """`run(job)` in a fresh Python process; raises with the child's stderr tail on failure."""
-    p = subprocess.run([sys.executable, "-m", "vllm_spec_plugins.runner"], input=json.dumps(job),
+    p = subprocess.run([sys.executable, "-m", "vllm_spec_plugins.tools.runner"], input=json.dumps(job),
                        capture_output=True, text=True, env=_child_env(env), timeout=timeout)
     marker = "\n" + _MARK
     if p.returncode != 0 or marker not in p.stdout:
@@ -252,7 +252,7 @@ class EngineProcess:
     def __init__(self, job: dict, env: dict | None = None):
         import tempfile
         self.err = tempfile.TemporaryFile(mode="w+")
-        self.p = subprocess.Popen([sys.executable, "-m", "vllm_spec_plugins.runner", "--serve"],
+        self.p = subprocess.Popen([sys.executable, "-m", "vllm_spec_plugins.tools.runner", "--serve"],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
                                   text=True, env=_child_env(env))
         self._call(job)

@@ -1,4 +1,4 @@
-"""Train drafters for a target on this CPU, reusing the target (``python -m vllm_spec_plugins.drafters``).
+"""Train drafters for a target on this CPU, reusing the target (``python -m vllm_spec_plugins.tools.drafters``).
 
 Pipeline (every stage resumable, deterministic given ``--seed``, files under ``--work``):
 
@@ -55,7 +55,7 @@ def training_rows(n_chat: int, n_code: int | None, n_summarize: int, max_prompt_
                   tokenizer_dir: str, chat_from: int = 0) -> list[dict]:
     """chat_from: skip the first chats of the (prefix-stable) training order, so that a second
     --work holds new prompts only."""
-    from vllm_spec_plugins.data import assert_no_heldout, make_prompts
+    from vllm_spec_plugins.tools.data import assert_no_heldout, make_prompts
     rows = []
     for cat, n, skip in (("chat", n_chat, chat_from), ("code", n_code, 0), ("summarize", n_summarize, 0)):
         if n == 0:
@@ -71,7 +71,7 @@ def generate(target: str, work: Path, rows: list[dict], max_tokens: int, batch: 
     """topk_from_vllm: vLLM also returns the target's top-k over prompt and answer (logprobs and
     prompt_logprobs), written as the teacher cache (`cache_NNNNN.pt`, no hidden states: enough for
     an SSM drafter, not for EAGLE) so the `cache` stage's second pass over the same tokens is skipped."""
-    from vllm_spec_plugins.runner import run_isolated
+    from vllm_spec_plugins.tools.runner import run_isolated
     work.mkdir(parents=True, exist_ok=True)
     chunks = [rows[i:i + GEN_CHUNK] for i in range(0, len(rows), GEN_CHUNK)]
     lp = ({"logprobs": CACHE_TOPK, "prompt_logprobs": CACHE_TOPK, "llm_kwargs": {"max_logprobs": CACHE_TOPK}}
@@ -178,7 +178,7 @@ def text_rows(n: int, seed: int, tokenizer_dir: str, max_len: int) -> list[dict]
     cost one teacher pass each, not a generation (measured: generation is the slow stage)."""
     from transformers import AutoTokenizer
 
-    from vllm_spec_plugins.data import assert_no_heldout, is_englishish, sharegpt_conversations
+    from vllm_spec_plugins.tools.data import assert_no_heldout, is_englishish, sharegpt_conversations
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     convs = [c for c in sharegpt_conversations("train") if len(c["messages"]) >= 2
              and c["messages"][0]["role"] == "user" and c["messages"][1]["role"] == "assistant"
@@ -596,8 +596,8 @@ def write_ssm_drafter(weights: dict, kind: str, target: str, out_dir: Path, meta
     the target at load time), drafter.json (the target tokenizer's fingerprint)."""
     from safetensors.torch import save_file
 
-    from vllm_spec_plugins.models import tokenizer_fingerprint
     from vllm_spec_plugins.proposers.mamba import DEFAULTS
+    from vllm_spec_plugins.tools.models import tokenizer_fingerprint
     tcfg = json.loads((Path(target) / "config.json").read_text())
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in weights.items()},
@@ -637,7 +637,7 @@ def export_drafter(d: EagleDrafter, target: str, out_dir: Path, meta: dict | Non
     plugin refuses the drafter for a target whose tokenizer differs (config.check_drafter_marker)."""
     from safetensors.torch import save_file
 
-    from vllm_spec_plugins.models import tokenizer_fingerprint
+    from vllm_spec_plugins.tools.models import tokenizer_fingerprint
     cfg = json.loads((Path(target) / "config.json").read_text())
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in d.layer_state_dict().items()},
@@ -699,8 +699,9 @@ def greedy_chain_accepted(d: EagleDrafter, target_model, prompt: list[int], answ
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vllm_spec_plugins.models import default_model_dir
-    ap = argparse.ArgumentParser(prog="python -m vllm_spec_plugins.drafters", description=__doc__.split("\n\n")[0])
+    from vllm_spec_plugins.tools.models import default_model_dir
+    ap = argparse.ArgumentParser(prog="python -m vllm_spec_plugins.tools.drafters",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("stages", nargs="*", metavar="STAGE",
                     help=f"any of {', '.join(STAGES)} (default: all, in order)")
     ap.add_argument("--target", default=None, help="target model folder (default: the built SmolLM2-135M)")

@@ -56,7 +56,7 @@ SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 CATEGORIES = ("chat", "code", "summarize")
 FRESH_CATEGORIES = ("chat", "code", "repetitive")
-FRESH_PATH = Path(__file__).parent / "assets" / "prompts" / "fresh.json"
+FRESH_PATH = Path(__file__).parent.parent / "assets" / "prompts" / "fresh.json"
 CHAT_MIN_CHARS, CHAT_MAX_CHARS = 20, 1500
 SUMMARIZE_MIN_CHARS, SUMMARIZE_MAX_CHARS = 800, 4000
 SUMMARIZE_INSTRUCTION = "Summarize the following text:\n\n"

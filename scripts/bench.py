@@ -61,9 +61,15 @@ DEFAULT_CONFIGS = {
 NEAR_TIE = 0.5
 NEAR_TIE_TOL = 1e-4
 DEFAULT_METHODS = "plain,ngram,suffix,lookahead"
-# our methods whose served default drafts only what pays (goodput): --fixed-budget adds
-# NAME_fixed = the same config with goodput off (always num_speculative_tokens drafts)
-GOODPUT_METHODS = ("lookahead", "mamba", "cascade")
+
+
+def goodput_methods() -> list[str]:
+    """Our methods whose config has `goodput` (the served default drafts only what pays):
+    --fixed-budget adds NAME_fixed = the same config with goodput off."""
+    from vllm_spec_plugins.config import METHODS, TEST_ONLY, method_keys
+    return [m for m in METHODS if m not in TEST_ONLY and "goodput" in method_keys(m)]
+
+
 FIXED_SUFFIX = "_fixed"
 WARM_SUFFIX = " (warm)"
 # --warm for a category without training prompts of its own: draw them from this one
@@ -105,7 +111,7 @@ def parse_args(argv=None):
                    help="cold server: each engine starts fresh and serves the measured prompts as its first requests "
                         "(no warm-up request at all); with --warm N too, both conditions run, side by side")
     p.add_argument("--fixed-budget", action="store_true",
-                   help="beside each of " + "/".join(GOODPUT_METHODS) + " (served default: goodput drafts only what "
+                   help="beside each of our methods with goodput (served default: goodput drafts only what "
                         "pays on this host), a NAME" + FIXED_SUFFIX + " row with goodput off at the same k: tau "
                         "comparable across hosts")
     p.add_argument("--warm-batch", type=int, default=0, metavar="B",
@@ -176,12 +182,12 @@ def method_configs(args, model: str) -> dict:
 
 
 def with_fixed_budget(configs: dict) -> dict:
-    """Each chain config of GOODPUT_METHODS followed by NAME_fixed: the same with goodput off
+    """Each chain config of `goodput_methods()` followed by NAME_fixed: the same with goodput off
     (num_speculative_tokens drafted every step). Trees and configs already fixed get none."""
     out = {}
     for name, spec in configs.items():
         out[name] = spec
-        if (isinstance(spec, dict) and spec.get("method") in GOODPUT_METHODS and not spec.get("tree")
+        if (isinstance(spec, dict) and spec.get("method") in goodput_methods() and not spec.get("tree")
                 and spec.get("goodput", True) and not name.endswith(FIXED_SUFFIX)):
             out.setdefault(name + FIXED_SUFFIX, {**spec, "goodput": False})
     return out

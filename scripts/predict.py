@@ -35,12 +35,11 @@ import json
 import math
 import sys
 
-TREE_METHODS = ("bandit_tree",)
-
 
 def is_tree(spec) -> bool:
-    return isinstance(spec, dict) and (spec.get("method") in TREE_METHODS or bool(spec.get("tree"))
-                                       or bool(spec.get("tree_nodes")))
+    """Whether a speculative config drafts trees (our methods: their config's `uses_trees`)."""
+    from vllm_spec_plugins.config import METHODS, from_params
+    return isinstance(spec, dict) and spec.get("method") in METHODS and from_params(spec).uses_trees
 
 
 def interp(points: dict[int, float], q: float) -> float:

@@ -380,3 +380,19 @@ class Goodput(Proposer):
                 "tries": [round(x, 1) for x in self.accept.tries.tolist()],
                 "buckets": {str(k): dict(v) for k, v in sorted(self.buckets.items())},
                 **self.goodput_stats}
+
+    # ---- the proposer interface: the wrapped proposer's state, and goodput's own ---------------
+    def request_ids(self) -> set[str]:
+        return self.inner.request_ids()
+
+    def state_nbytes(self, req_id: str) -> int:
+        return self.inner.state_nbytes(req_id)
+
+    def summary(self) -> dict:
+        return {**self.inner.summary(), "goodput": self.goodput_state()}
+
+    def counters(self) -> dict:
+        return self.inner.counters()
+
+    def set_sync(self, sync) -> None:
+        self.sync = sync

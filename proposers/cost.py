@@ -46,6 +46,7 @@ class StepCost:
         self.xty = np.zeros(5)
         self.n = 0
         self.plain_weight = 0.0        # discounted count of steps without drafts
+        self.weight = 0.0              # discounted count of all steps
         self._w: np.ndarray | None = None
 
     def observe(self, tokens: float, seconds: float, drafts: bool = False, rows: int = 1, kv: float = 0.0) -> None:
@@ -57,8 +58,18 @@ class StepCost:
         self.xtx = self.xtx * self.g + np.outer(x, x)
         self.xty = self.xty * self.g + x * seconds
         self.plain_weight = self.plain_weight * self.g + (not drafts)
+        self.weight = self.weight * self.g + 1.0
         self.n += 1
         self._w = None
+
+    def needs_plain(self, least: float = 0.5, cold: float = 2.0, share: float = 0.25) -> bool:
+        """Whether the next step should verify no drafts, so that a plain step's cost stays measured
+        (the rate without drafts is priced from it): while the discounted count of plain steps is
+        under `least`, or, on a cold fit, under `share` of the drafting steps' until it reaches
+        `cold` (the first steps of a server that drafts from its first request on would otherwise
+        price a plain step from the drafting ones: a, b and the jump are confounded there)."""
+        pw = self.plain_weight
+        return self.n > 0 and (pw < least or pw < min(cold, share * (self.weight - pw)))
 
     def coef(self) -> np.ndarray | None:
         """[a, b, c0, c1, e], or None before the first observation."""

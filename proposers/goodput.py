@@ -27,9 +27,20 @@ the cut decides. One that costs real time (a draft model) runs only while it pay
 bucket its own seconds per row, the accepted tokens the cut expected per request (scaled by the
 ratio of accepted to expected tokens measured so far) and the drafts kept are tracked, and the
 predicted rate with drafts (R_on, with its own time and the jump) is compared with the rate
-without (R_off). While off, `probe_rows` requests (in turn) draft again once the probe's cost has
-fallen to ~1% of the time since the last one. The wrapped proposer sees every step (with a
-budget of 0 while off) and catches up on what it skipped when it drafts again.
+without (R_off). It starts on and is switched off by measurements, not by a prior: until its
+steady seconds per row are measured it drafts, and R_on is taken with the gain one standard error
+above its mean over the drafting steps measured (optimism that fades as they add up), so a
+drafter that pays is never switched off by the few noisy steps of a cold server, and one that
+loses where verification is dear is off after a handful. R_off is priced from plain steps: on a
+cold fit one step in ~4 verifies no drafts until two are measured (`StepCost.needs_plain`), and
+the expected gain's calibration is shrunk towards 1 (a cold request's first rejections are luck,
+not a rate). Its own seconds are priced from steady steps only: not its first call (cold:
+allocations, first kernel runs), not a step where a row catches up on tokens it skipped while off
+(a one-off of drafting again, priced with the probe). While off, `probe_rows` requests (in
+turn) draft again once the probe's cost has fallen to ~1% of the time since the last one, two
+steps in a row: the first pays the catch-up, the second measures the steady cost. The wrapped
+proposer sees every step (with a budget of 0 while off) and catches up on what it skipped when it
+drafts again.
 
 Every `explore_every`-th step that drafts anyway, one request (in turn) gets one token past its
 cut, so classes below the current threshold keep being measured.
@@ -141,6 +152,11 @@ class Goodput(Proposer):
         self._threshold, self._last_gain, self._forced, self._blind = 0.0, 0.0, False, False
         self._reach: list[float] = []            # last cut's mean chance of acceptance per depth
         self._pending: float | None = None       # accepted tokens the last drafting step's cut expected
+        self._live: set = set()                  # request ids that decoded last step
+        self._drafting: set = set()              # those the wrapped proposer drafted for
+        self._probe: set | None = None           # request ids of a probe's first step (its second follows)
+        self._probe_s = 0.0                      # seconds of the probe under way (both steps, jump included)
+        self._warm = False                       # the wrapped proposer has drafted once (its cold call)
 
     def __getattr__(self, name):               # the wrapped proposer's extras (stats, inspect, ...)
         if name == "inner":
@@ -154,47 +170,69 @@ class Goodput(Proposer):
 
     # ---- drafting on/off ------------------------------------------------------------------
     def _bucket(self, b: int) -> dict:
-        """Accounting per batch-size bucket: EMAs of the proposer's seconds per row per step with
-        and without a budget, and, per drafting step, of the accepted tokens the cut expected per
-        request, the drafts it kept per request and whether it kept any. A new bucket starts from
-        the nearest measured one (acceptance does not depend on the batch; seconds are per row)."""
+        """Accounting per batch-size bucket: EMAs of the proposer's seconds per row per steady step
+        with and without a budget, and, per drafting step, of the accepted tokens the cut expected
+        per request (`n`: steps measured), the drafts it kept per request and
+        whether it kept any; the seconds of the last probe. A new bucket starts from the nearest
+        measured one (acceptance does not depend on the batch; seconds are per row)."""
         s = self.buckets.get(b)
         if s is None:
-            s = {"on_row_s": None, "off_row_s": None, "gain": None, "kept": None, "frac": None, "off_steps": 0,
-                 "depth": None, "reach": [None] * self.k}
+            s = {"on_row_s": None, "off_row_s": None, "gain": None, "n": 0, "kept": None,
+                 "frac": None, "off_steps": 0, "depth": None, "probe_s": None, "reach": [None] * self.k}
             near = min((k for k, v in self.buckets.items() if v["gain"] is not None),
                        key=lambda k: abs(k.bit_length() - b.bit_length()), default=None)
             if near is not None:
-                s |= {k: self.buckets[near][k] for k in ("on_row_s", "off_row_s", "gain", "kept", "frac", "depth")}
+                s |= {k: self.buckets[near][k] for k in ("on_row_s", "off_row_s", "gain", "n", "kept",
+                                                         "frac", "depth")}
                 s["reach"] = list(self.buckets[near]["reach"])
             self.buckets[b] = s
         return s
 
-    def calibration(self) -> float:
-        """Accepted tokens the target reported / tokens the cut expected, over recent drafting steps."""
-        return min(max(self._cal[0] / self._cal[1], 0.2), 2.0) if self._cal[1] > 1.0 else 1.0
+    #: pseudo-tokens that shrink `calibration` towards 1: the first few drafting steps' luck (a
+    #: cold chat request's first tokens all rejected) must not scale every later expectation
+    CAL_PRIOR = 4.0
 
-    def _costly(self, bucket: dict, n: int, fit) -> tuple[float, float] | None:
+    def calibration(self) -> float:
+        """Accepted tokens the target reported / tokens the cut expected, over recent drafting
+        steps, shrunk towards 1 by `CAL_PRIOR` tokens."""
+        c = self.CAL_PRIOR
+        return min(max((self._cal[0] + c) / (self._cal[1] + c), 0.2), 2.0)
+
+    def _costly(self, bucket: dict, n: int, fit, optimistic: bool = False) -> tuple[float, float] | None:
         """For a proposer whose own seconds are over `cheap` of a step at batch n: (a plain step's
         seconds, R_on = tokens per second of a drafting step, with the gain the cut expects
-        scaled by `calibration`, the proposer's time and the verification); None below that."""
+        scaled by `calibration`, the proposer's time and the verification); None below that.
+        `optimistic`: the gain one standard error above its mean (`gain_bound`)."""
         a, b, jump = fit
         step = a + b * n
         if n * max(bucket["on_row_s"] - (bucket["off_row_s"] or 0.0), 0.0) <= self.cheap * step:
             return None
         gain = bucket["gain"] * self.calibration()
+        if optimistic:
+            gain = self.gain_bound(gain, bucket["n"])
         return step, n * (1 + gain) / (step + b * n * bucket["kept"] + jump * bucket["frac"] + n * bucket["on_row_s"])
+
+    @staticmethod
+    def gain_bound(gain: float, n: int) -> float:
+        """`gain` (accepted tokens per request and drafting step) plus one standard error of its
+        mean over the `n` steps measured, a step's accepted tokens counted as geometric (variance
+        gain * (1 + gain)): large while few steps are measured, it vanishes as they add up."""
+        return gain + (max(gain, 0.0) * (1 + max(gain, 0.0)) / max(n, 1)) ** 0.5
 
     def _mode(self, bucket: dict, n: int) -> str:
         """"on", "off", or "probe" (a few rows draft). A proposer that costs next to nothing
         (under `cheap` of a step) always runs: the cut already drafts nothing when nothing pays.
-        One that costs real time (a draft model) runs while R_on >= R_off, with the gain the cut
-        expects (scaled by `calibration`); while off it probes when the probes' cost has fallen to
+        One that costs real time (a draft model) starts on and runs until its steady cost is
+        measured, then while R_on >= R_off, with the gain the cut expects (scaled by
+        `calibration`) one standard error above its mean (`gain_bound`); while off it probes when
+        the probe's cost (`probe_s`: its two steps, catch-up and jumps included) has fallen to
         `probe_share` of the time since the last (never sooner than `probe_every` steps)."""
+        if self._probe is not None:            # a probe's second step: the steady one
+            return "probe"
         if bucket["on_row_s"] is None or bucket["gain"] is None:
             return "on"
         fit = self.cost.fit(n) or (0.0, 0.0, 0.0)
-        costly = self._costly(bucket, n, fit)
+        costly = self._costly(bucket, n, fit, optimistic=True)
         if costly is None:
             return "on"
         step, on = costly
@@ -202,7 +240,7 @@ class Goodput(Proposer):
         off = n / (step + n * (bucket["off_row_s"] or 0.0))
         if on >= off:
             return "on"
-        probe = min(self.probe_rows, n) * bucket["on_row_s"] + jump
+        probe = bucket["probe_s"] or 2 * (min(self.probe_rows, n) * bucket["on_row_s"] + jump)
         gap = min(max(probe / (self.probe_share * step) if step > 0 else 0.0, self.probe_every), 16 * self.probe_every)
         return "probe" if bucket["off_steps"] >= gap else "off"
 
@@ -228,7 +266,11 @@ class Goodput(Proposer):
         return d
 
     @staticmethod
-    def _ema(old, new, w=0.1):
+    def _ema(old, new, w=0.1, n: int | None = None):
+        """Exponential average; with `n` (samples so far, this one included) the plain mean while
+        n < 1 / w: the first samples all count, not the first alone."""
+        if n is not None:
+            w = max(w, 1.0 / max(n, 1))
         return new if old is None else (1 - w) * old + w * new
 
     # ---- one step ----------------------------------------------------------------------------
@@ -257,19 +299,30 @@ class Goodput(Proposer):
             self._pending = None
         budget, n = ctx.budget(self.k), len(live)
         bucket = self._bucket(batch_bucket(n)) if n else None
+        if self._probe is not None:          # the probe's second step: its rows, if still here
+            second = [i for i in live if ctx.requests[i].req_id in self._probe]
+            if not second:
+                self._probe = None
         mode = self._mode(bucket, n) if budget and n else "off"
         if self.sync is not None:
             mode = self.sync(mode)
         rows = list(range(len(ctx.requests)))
         if mode == "probe":                  # a few rows, in turn: a probe must stay cheap
-            start = (self.steps * self.probe_rows) % n
-            rows = sorted(set((live * 2)[start:start + self.probe_rows]))
+            if self._probe is not None:
+                rows = second
+            else:
+                start = (self.steps * self.probe_rows) % n
+                rows = sorted(set((live * 2)[start:start + self.probe_rows]))
             sub = replace(ctx, requests=[ctx.requests[i] for i in rows])
         else:
             sub = ctx
         depth = self._depth(bucket, n, budget) if mode != "off" else 0
         if self.sync is not None:
             depth = self.sync(depth)
+        ran = {r.req_id for r in sub.requests if r.sampled} if depth else set()
+        # a row that decoded last step without drafting catches up on what it skipped: a one-off
+        resumed = any(rid in self._live and rid not in self._drafting for rid in ran)
+        self._live, self._drafting = {ctx.requests[i].req_id for i in live}, ran
         once0 = getattr(self.inner, "once_seconds", 0.0)
         t0 = self.clock()
         drafted = self.inner.propose(replace(sub, num_speculative_tokens=depth))
@@ -294,6 +347,12 @@ class Goodput(Proposer):
         self.steps += 1
         st = self.goodput_stats
         st["steps"] += 1
+        if mode == "probe":                  # a probe's seconds: both its steps, with their jumps
+            fit = self.cost.fit(n)
+            self._probe_s = (self._probe_s if self._probe is not None else 0.0) + draft_s + (fit[2] if fit else 0.0)
+            if self._probe is not None:
+                bucket["probe_s"] = self._probe_s
+            self._probe = None if self._probe is not None else {r.req_id for r in sub.requests if r.sampled}
         if bucket is not None and budget:
             if mode == "off":
                 bucket["off_row_s"] = self._ema(bucket["off_row_s"], draft_s / n)
@@ -308,14 +367,18 @@ class Goodput(Proposer):
                 # slow averages: one step's gain is noisy (a confident stretch, then none), and
                 # on/off must follow the mean, not the last few steps; a probe counts double
                 w = 0.1 if mode == "probe" else 0.05
-                row_s = draft_s / m if bucket["on_row_s"] is None else min(draft_s / m, 4 * bucket["on_row_s"])
-                bucket["on_row_s"] = self._ema(bucket["on_row_s"], row_s, w)   # (one stall: bounded)
+                if self._warm and not resumed and m:     # steady seconds only (see the module doc)
+                    row_s = draft_s / m if bucket["on_row_s"] is None else min(draft_s / m, 4 * bucket["on_row_s"])
+                    bucket["on_row_s"] = self._ema(bucket["on_row_s"], row_s, w)   # (one stall: bounded)
+                self._warm = self._warm or bool(ran)
                 bucket["depth"] = self._ema(bucket["depth"], max((len(d) for d in drafted), default=0), w)
                 bucket["off_steps"] = 0
-                if not self._blind:                      # the first step keeps all, blind: models only
-                    bucket["gain"] = self._ema(bucket["gain"], self._last_gain / m, w)
-                    bucket["kept"] = self._ema(bucket["kept"], sum(kept) / m, w)
-                    bucket["frac"] = self._ema(bucket["frac"], float(any(kept)), w)
+                if not self._blind and m:                # the first step keeps all, blind: models only
+                    bucket["n"] += 1
+                    g = self._last_gain / m
+                    bucket["gain"] = self._ema(bucket["gain"], g, w, bucket["n"])
+                    bucket["kept"] = self._ema(bucket["kept"], sum(kept) / m, w, bucket["n"])
+                    bucket["frac"] = self._ema(bucket["frac"], float(any(kept)), w, bucket["n"])
                     for j, p in enumerate(self._reach):
                         bucket["reach"][j] = self._ema(bucket["reach"][j], p, w)
                     self._pending = self._last_gain
@@ -331,7 +394,7 @@ class Goodput(Proposer):
         self._last_gain, self._threshold, self._forced, self._reach = 0.0, 0.0, False, []
         self._blind = self.cost.n == 0
         keep = [0] * len(drafts)
-        if self.cost.n and self.cost.plain_weight < 0.5:
+        if self.cost.needs_plain():
             self._forced = True    # a step without drafts now and then: keeps the jump measured
             return keep
         glob = self.accept.global_rate()

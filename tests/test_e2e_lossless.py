@@ -65,6 +65,9 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
         assert a == b, f"prompt {i}: {method} output differs from plain vLLM"
     if not (goodput and method == "mamba"):    # goodput may (rightly) keep the Mamba drafter off here
         assert got["drafts"] > 0 and got["draft_tokens"] > 0
+    if goodput:      # ... but its drafts were weighed: the wrapped proposer drafted, goodput cut
+        gp = res["plugin_state"][0]["goodput"]
+        assert gp["drafted"] > 0 and gp["kept"] <= gp["drafted"], gp
     if method == "oracle":       # every draft accepted: 100% acceptance
         assert got["accepted"] == got["draft_tokens"]
         assert got["tau"] > 3.0

@@ -8,6 +8,7 @@ request id, never by row: rows move between steps.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence, get_type_hints
 
@@ -218,6 +219,10 @@ class Proposer:
     classes: list[list[int]] | None = None
     #: steps taken, for proposers that count them (reports)
     steps: int = 0
+    #: seconds of one-off per-request work so far (a new request's prompt scan): not a step's
+    #: drafting cost (`Goodput` subtracts it), measured with `clock`
+    once_seconds: float = 0.0
+    clock = staticmethod(time.perf_counter)
 
     def __init__(self, num_speculative_tokens: int):
         if num_speculative_tokens < 1:

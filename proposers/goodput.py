@@ -53,6 +53,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from vllm_spec_plugins.scorers.tree import DraftTree
+
 from .base import Proposer, StepContext
 from .cost import StepCost, batch_bucket, continues
 
@@ -128,12 +130,11 @@ class Goodput(Proposer):
         self.inner, self.explore_every, self.probe_every, self.clock = inner, explore_every, probe_every, clock
         self.probe_rows, self.cheap, self.probe_share = probe_rows, cheap, probe_share
         self._cal = [0.0, 0.0]                   # discounted (accepted, expected) tokens of drafting steps
-        if hasattr(inner, "once_seconds"):       # its one-off seconds are subtracted from ours: one clock
-            inner.clock = clock
+        inner.clock = clock                      # its one-off seconds are subtracted from ours: one clock
         self.needs_target_argmax = inner.needs_target_argmax
         self.needs_hidden_states = inner.needs_hidden_states
         self.states = inner.states
-        prior = getattr(inner, "class_prior", None)
+        prior = inner.class_prior
         self.accept = AcceptModel(prior if prior is not None else np.full(DEPTHS, 0.3))
         self.cost = StepCost()
         self.sent: dict[str, list[int]] = {}     # req id -> classes of the drafts handed out last step
@@ -157,11 +158,6 @@ class Goodput(Proposer):
         self._probe: set | None = None           # request ids of a probe's first step (its second follows)
         self._probe_s = 0.0                      # seconds of the probe under way (both steps, jump included)
         self._warm = False                       # the wrapped proposer has drafted once (its cold call)
-
-    def __getattr__(self, name):               # the wrapped proposer's extras (stats, inspect, ...)
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     def release(self, req_id: str) -> None:
         self.inner.release(req_id)
@@ -323,19 +319,19 @@ class Goodput(Proposer):
         # a row that decoded last step without drafting catches up on what it skipped: a one-off
         resumed = any(rid in self._live and rid not in self._drafting for rid in ran)
         self._live, self._drafting = {ctx.requests[i].req_id for i in live}, ran
-        once0 = getattr(self.inner, "once_seconds", 0.0)
+        once0 = self.inner.once_seconds
         t0 = self.clock()
         drafted = self.inner.propose(replace(sub, num_speculative_tokens=depth))
         # a request's one-off work (a draft model's scan of its prompt) is paid on or off: not a
         # step's cost
-        draft_s = self.clock() - t0 - (getattr(self.inner, "once_seconds", 0.0) - once0)
-        cls = getattr(self.inner, "classes", None) or [generic_classes(len(d)) for d in drafted]
+        draft_s = self.clock() - t0 - (self.inner.once_seconds - once0)
+        cls = self.inner.classes or [generic_classes(len(d)) for d in drafted]
         kept = self._allocate(sub, drafted, cls, n) if mode != "off" else [0] * len(drafted)
         if self.sync is not None:
             kept = self.sync(kept)
         out: list = [[] for _ in ctx.requests]
         for i, d, c, m in zip(rows, drafted, cls, kept):
-            if hasattr(d, "parents"):           # a DraftTree: not ours to cut
+            if isinstance(d, DraftTree):           # a DraftTree: not ours to cut
                 out[i] = d
                 continue
             out[i] = list(d[:m])
@@ -401,7 +397,7 @@ class Goodput(Proposer):
         cand = []                                  # (p, depth, row)
         reach = np.zeros(self.k)
         for i, (req, d, c) in enumerate(zip(ctx.requests, drafts, classes)):
-            if not len(d) or not req.tree_ok or hasattr(d, "parents"):
+            if not len(d) or not req.tree_ok or isinstance(d, DraftTree):
                 continue
             q = self.accept.rates(req.req_id, glob)[np.asarray(c[:len(d)], dtype=np.int64)]
             for j, p in enumerate(np.cumprod(q).tolist()):
@@ -429,7 +425,7 @@ class Goodput(Proposer):
         self._threshold = b * made / (a + b * (n + extra) + jump)
         if self.explore_every and self.steps % self.explore_every == 0 and extra:   # never pays the jump alone
             rows = [i for i, d in enumerate(drafts) if keep[i] < len(d) and ctx.requests[i].tree_ok
-                    and not hasattr(d, "parents")]
+                    and not isinstance(d, DraftTree)]
             if rows:
                 i = rows[(self.steps // self.explore_every) % len(rows)]
                 keep[i] += 1

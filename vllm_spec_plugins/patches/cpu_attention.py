@@ -24,11 +24,12 @@ def apply(set_) -> None:
     @functools.wraps(orig_forward)
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         out = orig_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        step = tree_step.current()
+        owner = tree_step.owner_of(layer)
+        step = owner.step if owner is not None else None
         if attn_metadata is not None and step is not None and not step.failed:
             try:
                 step.owner.faults.enter("attend")
-                tree_step.attend(self, layer, query, kv_cache, attn_metadata, output)
+                tree_step.attend(step, self, layer, query, kv_cache, attn_metadata, output)
             except Exception as e:  # noqa: BLE001 - its tree rows then accept no drafts
                 step.failed = True
                 step.owner.fault("attend", e, step.req_ids.values())

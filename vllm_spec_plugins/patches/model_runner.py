@@ -20,6 +20,7 @@ SYMBOLS: dict[str, dict[str, tuple[str, ...]]] = {
         "GPUModelRunner.query_start_loc": (),
         "GPUModelRunner.input_batch": (),
         "GPUModelRunner.requests": (),
+        "GPUModelRunner.compilation_config": (),
     },
     "vllm.v1.worker.gpu_input_batch": {
         "InputBatch.num_computed_tokens_cpu": (), "InputBatch.temperature_cpu": (),
@@ -94,11 +95,11 @@ def apply(set_) -> None:
         out = orig_prepare(self, scheduler_output, num_scheduled_tokens)
         drafter = getattr(self, "drafter", None)
         if getattr(drafter, "is_vllm_spec_plugin", False):
+            drafter.step = None
             try:
                 drafter.faults.enter("begin")
-                tree_step.begin(self, scheduler_output, drafter)   # depth positions, masks
+                drafter.step = tree_step.begin(self, scheduler_output, drafter)   # depth positions, masks
             except Exception as e:  # noqa: BLE001 - vLLM verifies the drafts as chains (exact)
-                tree_step.end()
                 drafter.fault("begin", e, scheduler_output.scheduled_spec_decode_tokens)
         return out
 
@@ -115,10 +116,10 @@ def apply(set_) -> None:
         if logits is not None and getattr(drafter, "needs_target_argmax", False):
             # Target argmax at every verified position, before the sampler touches the logits.
             drafter.record_target_argmax(logits, spec_decode_metadata)
-        step = tree_step.current()
+        step = getattr(drafter, "step", None)
         if step is not None and not step.failed:
             try:
-                tree_step.save_generators(self)
+                tree_step.save_generators(step, self)
             except Exception as e:  # noqa: BLE001
                 step.failed = True
                 drafter.fault("accept", e, step.req_ids.values())
@@ -126,13 +127,13 @@ def apply(set_) -> None:
         if step is not None and spec_decode_metadata is not None:
             try:
                 if step.failed:
-                    tree_step.accept_root_only(self, logits, spec_decode_metadata, out)
+                    tree_step.accept_root_only(step, self, logits, spec_decode_metadata, out)
                 else:
                     drafter.faults.enter("accept")
-                    tree_step.accept(self, logits, spec_decode_metadata, out, getattr(drafter, "_argmax", None))
+                    tree_step.accept(step, self, logits, spec_decode_metadata, out, getattr(drafter, "_argmax", None))
             except Exception as e:  # noqa: BLE001 - no drafts accepted, one token drawn as plain
                 drafter.fault("accept", e, step.req_ids.values())
-                tree_step.accept_root_only(self, logits, spec_decode_metadata, out)
+                tree_step.accept_root_only(step, self, logits, spec_decode_metadata, out)
         return out
 
     import inspect

@@ -412,10 +412,7 @@ def render_results(results_dir: str = RESULTS_DIR) -> str:
 
 def draw_plots(results_dir: str = RESULTS_DIR) -> list[str]:
     """docs/results/NAME.png from NAME.json with scripts/bench.py's own plot (matplotlib)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench", os.path.join(ROOT, "scripts", "bench.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench()
     written = []
     for path in result_files(results_dir):
         with open(path) as f:
@@ -435,16 +432,22 @@ def draw_plots(results_dir: str = RESULTS_DIR) -> list[str]:
 OURS = ("lookahead", "mamba", "cascade", "bandit_tree")     # served defaults of this package
 
 
+def _bench():
+    """scripts/bench.py as a module (its plots, its host record)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench", os.path.join(ROOT, "scripts", "bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
 def host_class(out: dict) -> str:
-    """The matrix/vector units that set a CPU's price of verification: AMX, AVX-512 (with or
-    without bf16 instructions), AVX2."""
+    """The host's widest matrix/vector ISA as bench.py names it, and whether it has bf16
+    instructions: what sets a CPU's price of verification."""
     m = out.get("machine") or {}
     flags = set(str(_first(m, "cpu_flags", "flags") or "").split())
-    if "amx_tile" in flags:
-        return "AMX"
-    if "avx512f" in flags:
-        return "AVX-512 + bf16" if "avx512_bf16" in flags else "AVX-512"
-    return "AVX2" if "avx2" in flags else "other"
+    isa = _bench().isa_summary(flags)
+    return isa + (" + bf16" if flags & {"avx512_bf16", "amx_bf16"} else "")
 
 
 def render_pays(results_dir: str = RESULTS_DIR) -> str:

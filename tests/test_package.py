@@ -151,6 +151,26 @@ def test_benchmarks_page_names_the_host_and_code_version_when_recorded(tmp_path)
 
 def test_benchmarks_page_without_results(tmp_path):
     assert "No benchmark results are committed yet" in gen_docs.render_results(str(tmp_path))
+    assert "No result here measured `--draft-cost` yet" in gen_docs.render_pays(str(tmp_path))
+
+
+def test_when_speculation_pays_from_draft_cost_runs(tmp_path):
+    """One row per result with `--draft-cost`: its host's ISA, the median price of L drafts over
+    categories, and per category the fastest of our served methods beside vLLM's suffix."""
+    bench = _load("bench")
+    res = _synthetic_result(bench)
+    res["machine"] |= {"cpu_model": "AMD EPYC 7B13", "cpu_flags": "fpu avx2 fma"}
+    res["draft_cost"] = {c: {"0": {"ms": 30.0, "x_no_draft": 1.0}, "1": {"ms": 47.0, "x_no_draft": x1},
+                             "4": {"ms": 95.0, "x_no_draft": x4}}
+                         for c, x1, x4 in (("chat", 1.5, 3.0), ("code", 1.7, 3.4))}
+    res["results"]["suffix"] = {"chat": {"speedup_vs_plain": 0.9}, "code": {"speedup_vs_plain": 1.25}}
+    (tmp_path / "avx2.json").write_text(json.dumps(res))
+    (tmp_path / "no_cost.json").write_text(json.dumps(_synthetic_result(bench)))
+    text = gen_docs.render_pays(str(tmp_path))
+    rows = [r for r in text.splitlines() if r.startswith("| [")]
+    assert len(rows) == 1 and rows[0].startswith("| [`avx2`](#avx2) | avx2 (AMD EPYC 7B13) | bfloat16 | 8 | 45.0 |")
+    assert "1.60x / 3.20x (L = 1, 4)" in rows[0]
+    assert "chat: 1.50x `lookahead` (`suffix` 0.90x); code: 1.10x `lookahead` (`suffix` 1.25x)" in rows[0]
 
 
 # ---------------------------------------------------------------- --config NAME

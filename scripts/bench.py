@@ -474,13 +474,25 @@ def package_versions(names=("torch", "vllm", "arctic_inference", "vllm_spec_plug
     return out
 
 
+# Tracked paths that hold results, not code: a result written there by an earlier run does not
+# make the code a later run measures differ from its commit.
+RESULT_PATHS = ("docs/results/", "docs/benchmarks.md")
+
+
+def code_changes(changed: list[str]) -> list[str]:
+    """The paths of `changed` that are code (not under RESULT_PATHS)."""
+    return [p for p in changed if not p.startswith(RESULT_PATHS)]
+
+
 def git_state(repo: str = REPO) -> dict | None:
-    """The checkout's commit and whether tracked files differ from it (untracked files don't count)."""
+    """The checkout's commit and whether tracked code differs from it (untracked files and
+    results do not count; `changed` lists every tracked change)."""
     sha = _cmd(["git", "rev-parse", "HEAD"], cwd=repo)
     if not sha:
         return None
-    changed = (_cmd(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo) or "").splitlines()
-    return {"sha": sha.strip(), "dirty": bool(changed), "changed": [line[3:] for line in changed][:50]}
+    changed = [line[3:] for line in
+               (_cmd(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo) or "").splitlines()]
+    return {"sha": sha.strip(), "dirty": bool(code_changes(changed)), "changed": changed[:50]}
 
 
 def host_record(argv: list | None = None) -> dict:

@@ -169,6 +169,8 @@ def code_version(out: dict) -> str:
     if isinstance(v, dict):
         sha = _first(v, "sha", "commit", "rev") or NOT_RECORDED
         dirty = v.get("dirty")
+        if dirty and v.get("changed"):                   # results written by an earlier run are not code
+            dirty = bool(_bench().code_changes(v["changed"]))
         return f"`{sha}`" + (" (with uncommitted changes)" if dirty else "")
     return f"`{v}`" if v else NOT_RECORDED
 

@@ -262,3 +262,9 @@ def test_heldout_drops_texts_that_training_has(tmp_path, monkeypatch):
     assert chat == ["what is the capital of france, please?"]       # bread: in train; capital: once
     assert not [r for r in rows if r["category"] == "summarize"]    # its answer is a training message
     assert data.make_prompts(categories=("chat",), n_per_category=None, split="train")  # train keeps its own
+
+
+def test_results_written_by_an_earlier_run_are_not_code_changes():
+    changed = ["docs/results/b1.json", "docs/results/b1.png", "docs/benchmarks.md", "proposers/goodput.py"]
+    assert bench.code_changes(changed) == ["proposers/goodput.py"]
+    assert bench.code_changes(changed[:3]) == []

@@ -48,6 +48,14 @@ it on its own host, beside the speed our served defaults reached there (cold ser
 <!-- pays:begin -->
 <!-- pays:end -->
 
+Read a row as: where the price of the drafts a method keeps stays under its tau, it is faster than
+plain. At batch 1 on AVX-512 a step that verifies up to 8 drafts costs little more than a plain
+step (and not linearly: 1 draft costs more than 2 or 4 there), so every method that drafts
+pays; at batch 8 every row's drafts add up, and only well-accepted ones pay (goodput switches the
+drafter-based methods off there). On an AVX2 host without AVX-512 the price is far higher (issue
+"Speed out of the lab" reports 1.57x / 2.10x / 3.15x / 5.2x for L = 1, 2, 4, 8 at batch 1 in
+bf16; no result from such a host is committed here), and only long accepted chains pay.
+
 <!-- results:begin -->
 <!-- results:end -->
 """

@@ -2,9 +2,6 @@
 
 The scheduler only sees a flat list of draft tokens per request (the tree in topological order).
 Everything else stays in the worker:
-The step's state is a `TreeStep` that `begin` returns and our proposer holds (`PluginProposer.step`)
-until its verdict is read (`verdict`); attention layers reach it through the proposer they are
-bound to (`bind`).
   1. `begin`  (after the runner's _prepare_inputs): depth-based positions for tree rows; the KV
      slots stay sequential, so node i of a request lives in the slot of position prefix + 1 + i.
   2. `attend` (after each attention layer): the tree rows' attention is recomputed with the tree
@@ -14,6 +11,10 @@ bound to (`bind`).
      (compaction), so the scheduler, prefix caching and preemption see a normal sequence with
      `len(accepted)` accepted drafts.
 Requests whose drafts are chains go through vLLM's own rejection sampler untouched.
+
+The step's state is a `TreeStep` that `begin` returns and our proposer holds (`PluginProposer.step`)
+until its verdict is read (`verdict`); attention layers reach it through the proposer they are
+bound to (`bind`).
 """
 from __future__ import annotations
 

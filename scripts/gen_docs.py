@@ -12,7 +12,10 @@ Two targets, each written between marker comments so the prose around them stays
                          version, host, prompts, batch size, answer length, warm-up, then a
                          method x category table of tokens/s vs plain and tau), then one per
                          result JSON of `scripts/serve_bench.py` (`vllm bench serve`: tokens/s vs
-                         plain, vLLM's acceptance length, TTFT / TPOT).
+                         plain, vLLM's acceptance length, TTFT / TPOT); `<!-- pays:begin -->`:
+                         the price of verification per `--draft-cost` run; `<!-- gpu:begin -->`:
+                         each run of scripts/gpu_check.py under docs/gpu_results/ (kernel check,
+                         verification-cost table), and with --plots the GPU-beside-CPU figure.
 """
 from __future__ import annotations
 
@@ -54,6 +57,31 @@ step (and not linearly: 1 draft costs more than 2 or 4 there), so every method t
 pays; at batch 8 every row's drafts add up, and only well-accepted ones pay (goodput switches the
 drafter-based methods off there). No result from an AVX2-only host or an AMX host is committed
 yet: there, run the same benchmark with `--draft-cost 0,1,2,4,8` before choosing a method.
+
+## On a GPU: what verification costs
+
+Our methods are served on vLLM's CPU backend only (they are refused on CUDA before the engine
+starts). What this project has measured on a GPU is `scripts/gpu_check.py` (see
+[gpu.md](gpu.md)): the plugin's tree attention on vLLM's own Triton kernel, checked against a
+float32 reference, and the time of a verification step of an 8B target. How many tokens a
+method accepts per step does not depend on the hardware; what a step costs does, and the figure
+puts the GPU's price beside the CPU's.
+
+<!-- gpu:begin -->
+<!-- gpu:end -->
+
+Read the cost table as the CPU one above: where a method's tau exceeds the price of the drafts
+it verifies, it is faster than plain. At batch 1 and 8 on the H100 a step that verifies 15
+drafts per request costs about 1.1-1.2x a plain step (the step reads 16 GB of weights whatever
+the query count), where on the CPU at batch 8 verifying 8 drafts costs 3.2x: on such a GPU deep
+chains and wide trees pay at batch sizes where the CPU must draft almost nothing. From batch 32
+the step becomes compute-bound and the price grows with every draft.
+
+The kernel table shows what the GPU path still lacks: vLLM's `qq_bias` is one mask for the whole
+launch, so the plugin launches once per distinct tree shape. One tree for the batch costs about
+what the causal call costs (plus the plugin's host code, ~0.1-0.15 ms); a different tree per
+request costs one launch each, 3-13 ms per layer at batch 32, 10-20x the single launch. A GPU
+path that serves mixed trees at batch needs the trees packed into one launch first.
 
 <!-- results:begin -->
 <!-- results:end -->
@@ -508,8 +536,164 @@ def render_pays(results_dir: str = RESULTS_DIR) -> str:
                      + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+# ------------------------------------------------------------------ the GPU check
+GPU_RESULTS_DIR = os.path.join(ROOT, "docs", "gpu_results")
+GPU_PLOT = os.path.join(GPU_RESULTS_DIR, "verification_cost.png")
+#: query tokens per request the GPU table shows (q = 1 + drafts), and the context of the plot
+GPU_Q = (2, 4, 8, 16, 32, 64)
+GPU_PLOT_CTX = 2048
+
+
+def gpu_runs(gpu_dir: str = GPU_RESULTS_DIR) -> list[tuple[str, dict | None, dict | None]]:
+    """(folder name, kernel_check.json, cost_curve.json) per run of scripts/gpu_check.py."""
+    runs = []
+    for d in sorted(glob.glob(os.path.join(gpu_dir, "*", ""))):
+        got = []
+        for f in ("kernel_check.json", "cost_curve.json"):
+            p = os.path.join(d, f)
+            got.append(json.load(open(p)) if os.path.exists(p) else None)
+        if any(got):
+            runs.append((os.path.basename(os.path.dirname(d)), *got))
+    return runs
+
+
+def _curve_ms(curve: dict, attn: str, mask: str = "chain") -> dict:
+    """{(batch, ctx, q): ms} of the cells that ran."""
+    return {(c["batch"], c["ctx"], c["q_len"]): c["ms"] for c in curve.get("cells", ())
+            if c.get("attn") == attn and c.get("mask") == mask and c.get("status") == "ok"}
+
+
+def _kernel_lines(kern: dict) -> list[str]:
+    cases = kern.get("cases") or []
+    worst = max((c[k]["rel_l2"] for c in cases for k in ("plugin_alone", "composed") if c.get(k)), default=None)
+    heads = sorted({f"{c['num_heads']}/{c['num_kv_heads']}/{c['head_size']}" for c in cases})
+    out = [f"**Tree attention** (vLLM's Triton `unified_attention` with the tree as `qq_bias`, called as "
+           f"the plugin calls it, against a float32 reference over the paged cache): "
+           f"{kern.get('num_cases', len(cases)) - kern.get('num_failed', 0)} of {kern.get('num_cases', len(cases))} "
+           f"random batches pass ({', '.join(sorted({c['dtype'] for c in cases}))}; block sizes "
+           f"{', '.join(map(str, sorted({c['block_size'] for c in cases})))}; heads / KV heads / head size "
+           f"{', '.join(heads)}; trees of 1-64 rows beside decode, chain and causal rows)"
+           + (f", worst relative error {worst:.1e}." if worst is not None else ".")]
+    timing = [t for t in kern.get("timing") or [] if t.get("status") == "ok"]
+    if timing:
+        out += ["", "Attention alone, ms (CUDA events, median), Llama-3-8B heads, bf16, one layer: vLLM's call "
+                "with the causal mask, the same call with the tree's `qq_bias`, the plugin's call with one "
+                "tree for the whole batch (its host code included) and with a different tree per request "
+                "(one launch each), and a 1-row decode step.", "",
+                "| context | batch | tree rows | causal | with `qq_bias` | plugin, one tree | plugin, a tree each "
+                "(launches) | 1-row decode |", "|---|---|---|---|---|---|---|---|"]
+        for t in timing:
+            mixed = (f"{t['plugin_mixed_trees_ms']:.3f} ({t['plugin_mixed_launches']})"
+                     if t.get("plugin_mixed_trees_ms") is not None else "-")
+            out.append(f"| {t['ctx']} | {t['batch']} | {t['rows']} | {t['causal_ms']:.3f} | "
+                       f"{t['direct_qq_bias_ms']:.3f} | {t['plugin_shared_tree_ms']:.3f} | {mixed} | "
+                       f"{t['decode_1row_ms']:.3f} |")
+    return out
+
+
+def _curve_lines(curve: dict, attn: str = "triton") -> list[str]:
+    chain, tree = _curve_ms(curve, attn), _curve_ms(curve, attn, "tree")
+    shape = (curve.get("model") or {}).get("shape") or {}
+    params = (curve.get("model") or {}).get("params")
+    out = [f"**Verification cost**: one decode step of a Llama-3-8B-shaped model "
+           f"({params / 1e9:.1f} B random bf16 weights, " if params else "**Verification cost**: one decode step ("]
+    out[0] += (f"{shape.get('num_hidden_layers')} layers; transformers, CUDA graphs, vLLM's Triton attention "
+               f"over a paged cache), every request verifying q - 1 drafts (q query tokens), against the same "
+               f"step with q = 1. Tree masks cost what chains cost to within the last column's ratio.")
+    out += ["", "| batch | context | plain step (q = 1), ms | " + " | ".join(f"q = {q}" for q in GPU_Q)
+            + " | tree / chain |", "|---|---|---|" + "---|" * len(GPU_Q) + "---|"]
+    for b, ctx in sorted({(b, c) for b, c, _ in chain}):
+        base = chain.get((b, ctx, 1))
+        if base is None:
+            continue
+        cells = [f"{chain[(b, ctx, q)] / base:.2f}x" if (b, ctx, q) in chain else "-" for q in GPU_Q]
+        ratios = [tree[k] / chain[k] for k in tree if k[:2] == (b, ctx) and k in chain]
+        span = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
+        out.append(f"| {b} | {ctx} | {base:.2f} | " + " | ".join(cells) + f" | {span} |")
+    skipped = [c for c in curve.get("cells", ()) if c.get("attn") == attn and c.get("status") == "skipped_memory"]
+    if skipped:
+        where = ", ".join(f"batch {b} at context {c}" for b, c in sorted({(x["batch"], x["ctx"]) for x in skipped}))
+        out.append(f"\n{len(skipped)} cells did not fit the GPU's memory and were skipped ({where}).")
+    return out
+
+
+def render_gpu(gpu_dir: str = GPU_RESULTS_DIR) -> str:
+    """One block per run of scripts/gpu_check.py under docs/gpu_results/: the device and code
+    version, the kernel check and the verification-cost table."""
+    runs = gpu_runs(gpu_dir)
+    if not runs:
+        return "No GPU run is committed yet (docs/gpu.md says how to make one)."
+    sections = []
+    for name, kern, curve in runs:
+        env = (kern or curve).get("env") or {}
+        dev = (env.get("device") or {}).get("name", NOT_RECORDED)
+        sha = (env.get("git") or {}).get("sha") or NOT_RECORDED
+        argv = env.get("argv") or []
+        lines = [f"### `{name}`: {dev}", "",
+                 f"`python {shlex.join(argv[:1] + ['OUT'] + argv[2:])}` at `{sha[:7]}`, "
+                 f"{str(env.get('timestamp', NOT_RECORDED))[:10]}; torch {env.get('torch', NOT_RECORDED)}, "
+                 f"Triton {env.get('triton', NOT_RECORDED)}, transformers {env.get('transformers', NOT_RECORDED)}. "
+                 f"Files: " + ", ".join(f"[`{f}`](gpu_results/{name}/{f})" for f, j in
+                                        (("kernel_check.json", kern), ("cost_curve.json", curve)) if j), ""]
+        if kern:
+            lines += _kernel_lines(kern) + [""]
+        if curve:
+            lines += _curve_lines(curve) + [""]
+        sections.append("\n".join(lines).rstrip())
+    plot = os.path.join(gpu_dir, os.path.basename(GPU_PLOT))
+    if os.path.exists(plot):
+        sections.append(f"![verification cost, GPU and CPU]({os.path.relpath(plot, os.path.dirname(BENCHMARKS_MD))})")
+    return "\n\n".join(sections)
+
+
+def draw_gpu_plot(gpu_dir: str = GPU_RESULTS_DIR, results_dir: str = RESULTS_DIR, path: str = GPU_PLOT) -> str | None:
+    """The price of verifying L drafts per request (x a plain step) against L: the GPU curve (vLLM's
+    Triton attention, context GPU_PLOT_CTX) per batch size beside every CPU `--draft-cost` run."""
+    import statistics
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    drawn = False
+    for name, _, curve in gpu_runs(gpu_dir):
+        if not curve:
+            continue
+        chain = _curve_ms(curve, "triton")
+        dev = (((curve.get("env") or {}).get("device") or {}).get("name") or name).replace("NVIDIA ", "")
+        for b in sorted({b for b, c, _ in chain if c == GPU_PLOT_CTX}):
+            qs = sorted(q for bb, c, q in chain if (bb, c) == (b, GPU_PLOT_CTX))
+            if 1 in qs:
+                ax.plot([q - 1 for q in qs], [chain[(b, GPU_PLOT_CTX, q)] / chain[(b, GPU_PLOT_CTX, 1)] for q in qs],
+                        "-o", ms=3, label=f"{dev.split()[0]}, batch {b} (8B, ctx {GPU_PLOT_CTX})")
+                drawn = True
+    for p in result_files(results_dir):
+        out = json.load(open(p))
+        cost, cfg = out.get("draft_cost"), out.get("config") or {}
+        if not cost:
+            continue
+        ls = sorted({int(n) for r in cost.values() for n in r})
+        ax.plot(ls, [statistics.median(r[str(n)]["x_no_draft"] for r in cost.values() if str(n) in r) for n in ls],
+                "--s", ms=3, label=f"CPU {host_class(out)}, batch {cfg.get('batch_size')}, {cfg.get('dtype')} (135M)")
+        drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set_xscale("symlog", linthresh=1)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("drafts verified per request (L)")
+    ax.set_ylabel("step time / plain step")
+    ax.axhline(1.0, color="gray", lw=0.8, ls=":")
+    ax.set_title("What verifying L drafts costs")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 # ------------------------------------------------------------------ targets
-def targets(results_dir: str = RESULTS_DIR) -> dict[str, str]:
+def targets(results_dir: str = RESULTS_DIR, gpu_dir: str = GPU_RESULTS_DIR) -> dict[str, str]:
     """path -> its full expected content."""
     out = {}
     with open(CONFIGURATION_MD) as f:
@@ -517,10 +701,11 @@ def targets(results_dir: str = RESULTS_DIR) -> dict[str, str]:
     current = open(BENCHMARKS_MD).read() if os.path.exists(BENCHMARKS_MD) else BENCHMARKS_TEMPLATE
     if "<!-- results:begin -->" not in current:
         current = BENCHMARKS_TEMPLATE
-    if "<!-- pays:begin -->" not in current:          # the section above the results, from the template
-        head = BENCHMARKS_TEMPLATE[:BENCHMARKS_TEMPLATE.index("<!-- results:begin -->")]
+    if "<!-- pays:begin -->" not in current or "<!-- gpu:begin -->" not in current:
+        head = BENCHMARKS_TEMPLATE[:BENCHMARKS_TEMPLATE.index("<!-- results:begin -->")]   # from the template
         current = head + current[current.index("<!-- results:begin -->"):]
     current = replace_between(current, "pays", render_pays(results_dir), BENCHMARKS_MD)
+    current = replace_between(current, "gpu", render_gpu(gpu_dir), BENCHMARKS_MD)
     out[BENCHMARKS_MD] = replace_between(current, "results", render_results(results_dir), BENCHMARKS_MD)
     return out
 
@@ -531,7 +716,7 @@ def main(argv=None) -> int:
     p.add_argument("--plots", action="store_true", help="also draw docs/results/NAME.png from each JSON")
     args = p.parse_args(argv)
     if args.plots and not args.check:
-        for png in draw_plots():
+        for png in draw_plots() + [p for p in [draw_gpu_plot()] if p]:
             print(f"wrote {os.path.relpath(png, ROOT)}")
     stale = []
     for path, want in targets().items():

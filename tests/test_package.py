@@ -271,3 +271,28 @@ def test_wheel_in_a_clean_venv_serves_a_packaged_dropin(tmp_path):
     finally:
         stop(proc)
         log.close()
+
+
+def test_gpu_section_from_a_gpu_check_run(tmp_path):
+    """docs/benchmarks.md's GPU section: per run folder, the device and code version, the kernel
+    cases that passed, and the cost of q query tokens per request against q = 1."""
+    assert "No GPU run is committed yet" in gen_docs.render_gpu(str(tmp_path))
+    env = {"device": {"name": "NVIDIA H100 80GB HBM3"}, "git": {"sha": "0123456789abcdef"},
+           "argv": ["scripts/gpu_check.py", "/root/out"], "timestamp": "2026-01-02T03:04:05",
+           "torch": "2.11", "triton": "3.6.0", "transformers": "5.17.0"}
+    case = {"dtype": "bfloat16", "block_size": 16, "num_heads": 32, "num_kv_heads": 8, "head_size": 128,
+            "plugin_alone": {"rel_l2": 2e-3}, "composed": {"rel_l2": 1e-3}}
+    cells = [{"attn": "triton", "mask": m, "batch": 8, "ctx": 512, "q_len": q, "ms": ms, "status": "ok"}
+             for m, q, ms in (("chain", 1, 10.0), ("chain", 2, 10.5), ("chain", 16, 12.0), ("tree", 16, 12.6))]
+    cells.append({"attn": "triton", "mask": "chain", "batch": 64, "ctx": 8192, "q_len": 1, "status": "skipped_memory"})
+    run = tmp_path / "h100-x"
+    run.mkdir()
+    (run / "kernel_check.json").write_text(json.dumps({"env": env, "cases": [case, case], "num_cases": 2,
+                                                       "num_failed": 0, "timing": []}))
+    (run / "cost_curve.json").write_text(json.dumps({"env": env, "cells": cells, "counts": {"skipped_memory": 1},
+                                                     "model": {"params": 8.03e9, "shape": {"num_hidden_layers": 32}}}))
+    text = gen_docs.render_gpu(str(tmp_path))
+    assert "### `h100-x`: NVIDIA H100 80GB HBM3" in text and "at `0123456`" in text
+    assert "2 of 2 random batches pass" in text and "worst relative error 2.0e-03" in text
+    assert "| 8 | 512 | 10.00 | 1.05x | - | - | 1.20x | - | - | 1.05-1.05 |" in text
+    assert "1 cells did not fit the GPU's memory and were skipped (batch 64 at context 8192)" in text

@@ -71,8 +71,30 @@ def test_readme_is_short_and_opens_with_the_two_commands():
     first = text.split("```bash\n", 1)[1].split("```", 1)[0]
     assert "bash scripts/setup.sh && .venv/bin/vllm-spec serve --config configs/lookahead.yaml" in first
     assert "bash scripts/test.sh" in first
-    for doc in re.findall(r"\]\((docs/[^)#]+)", text):
-        assert (ROOT / doc).exists(), doc
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_local_links_in_readme_and_docs_resolve():
+    """Every relative link of README.md and docs/*.md names a file that exists, and a `#anchor`
+    on a markdown page names one of its headings (the README cites benchmark sections by name)."""
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path, _, anchor = target.partition("#")
+            f = (page.parent / path).resolve()
+            if not f.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and f.suffix == ".md":
+                heads = {_slug(h) for h in re.findall(r"^#+ (.+)$", f.read_text(), re.M)}
+                if anchor not in heads:
+                    broken.append(f"{page.name}: {target}")
+    assert not broken, broken
 
 
 # ---------------------------------------------------------------- benchmark page

@@ -121,6 +121,12 @@ def parse_args(argv=None):
                    help="keep one engine per method up and serve N prompts to each in turn (rotating which "
                         "goes first), category by category: the host's speed drift hits every method alike "
                         "(engines get 1 GiB of KV cache each; replaces --repeats and the second plain run)")
+    p.add_argument("--lockstep", action="store_true",
+                   help="keep one engine per method up (and a second plain one) and step them in turn, one "
+                        "engine step each, every category's prompts queued at once: the host's speed drift "
+                        "hits every method within a step, each engine's clocks skip the time the others run, "
+                        "and plain against plain (again) shows the noise left (replaces --interleave and "
+                        "--repeats; 1 GiB of KV cache per engine)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run the whole method list this many times, interleaved (A B C A B C ...); "
                         "tokens/s is the median over repeats (tau does not change)")
@@ -589,7 +595,7 @@ ENGINE_GIB = 2.2   # one interleaved CPU engine of the 135M target, 1 GiB KV cac
 
 
 def warn_memory(engines: int, meminfo: str = "/proc/meminfo") -> bool:
-    """--interleave keeps every engine up at once: say so before minutes of start-up end in
+    """--interleave and --lockstep keep every engine up at once: say so before minutes of start-up end in
     vLLM's "available memory ... less than requested" on the last engine. True if warned."""
     try:
         avail = next(int(x.split()[1]) for x in open(meminfo) if x.startswith("MemAvailable:")) / 2**20
@@ -597,7 +603,7 @@ def warn_memory(engines: int, meminfo: str = "/proc/meminfo") -> bool:
         return False
     if engines * ENGINE_GIB <= avail:
         return False
-    print(f"warning: --interleave starts {engines} engines at once, ~{ENGINE_GIB} GiB each here "
+    print(f"warning: {engines} engines start at once, ~{ENGINE_GIB} GiB each here "
           f"({engines * ENGINE_GIB:.0f} GiB), and {avail:.1f} GiB is available: the last ones may fail "
           f"to allocate their KV cache; run fewer methods (or --sweep shapes) per invocation", file=sys.stderr)
     return True
@@ -772,6 +778,42 @@ def run_interleaved(jobs: dict, groups: dict, n: int, env: dict, tqdm) -> dict:
             e.close()
 
 
+#: seconds between two engines' steps in --lockstep: the OpenMP threads of the engine that just
+#: stepped spin a little before they sleep, and must not share the cores with the next one's step
+LOCKSTEP_GAP_S = 0.002
+
+
+def run_lockstep(jobs: dict, groups: dict, env: dict, tqdm, gap: float = LOCKSTEP_GAP_S) -> dict:
+    """`run_isolated`'s results for every job, measured in lockstep: all engines up, then per
+    category every engine gets all its prompts at once and the engines take one step each in
+    turn (the first rotating every round) until all are done. Each engine's seconds are the sum
+    of its own steps (`runner.PausedClock`)."""
+    from vllm_spec_plugins.tools.runner import EngineProcess
+    engines: dict = {}
+    try:
+        for name, j in tqdm(jobs.items(), desc="engines up", unit="engine"):
+            engines[name] = EngineProcess({**j, "groups": {}, "lockstep": True}, env=env)
+        names, got = list(jobs), {name: {} for name in jobs}
+        for cat, rows in groups.items():
+            for name in names:
+                engines[name].start(cat, rows)
+            live, r = list(names), 0
+            bar = tqdm(desc=f"lockstep: {cat}", unit="round", leave=False)
+            while live:
+                for name in live[r % len(live):] + live[:r % len(live)]:
+                    time.sleep(gap)
+                    if not engines[name].step()["more"]:
+                        got[name][cat] = engines[name].done()
+                        live.remove(name)
+                r += 1
+                bar.update()
+            bar.close()
+        return {name: engines.pop(name).finish() | {"groups": got[name]} for name in names}
+    finally:
+        for e in engines.values():
+            e.close()
+
+
 def conditions(args) -> list[str]:
     """'cold' (--cold) and/or 'warm' (the default: one tiny warm-up request, then --warm's prompts)."""
     return (["cold"] if args.cold else []) + (["warm"] if not args.cold or args.warm else [])
@@ -789,7 +831,14 @@ def measure(args, configs: dict, groups: dict, base: dict, env: dict, tqdm) -> t
     def job(spec):
         return {**base, "speculative_config": spec, "report_plugin_state": is_bandit(spec),
                 "report_plugin_stats": wants_stats(spec)}
-    if args.interleave:
+    if args.lockstep:
+        if args.repeats > 1 or args.interleave:
+            raise SystemExit("--lockstep replaces --interleave and --repeats: give one of them")
+        warn_memory(len(configs) + 1)
+        raw = run_lockstep({name: job(spec) for name, spec in configs.items()} | {"plain (again)": job(None)},
+                           groups, env | {"VLLM_CPU_KVCACHE_SPACE": "1"}, tqdm)
+        runs = []
+    elif args.interleave:
         if args.repeats > 1:
             raise SystemExit("--interleave replaces --repeats: give one of them")
         warn_memory(len(configs))
@@ -940,7 +989,8 @@ def main(argv=None):
     plot(results, cats, png, f"batch {args.batch_size}, {args.dtype}, T={args.temperature}, "
                              f"{args.max_tokens} tokens, {host['isa']}" + (", cold" if conds[0] == "cold" else "")
          + (f", after {args.warm} warm-up prompts per category" if args.warm else "")
-         + (f", interleaved ({args.interleave} a turn)" if args.interleave else ""))
+         + (f", interleaved ({args.interleave} a turn)" if args.interleave else "")
+         + (", engines in lockstep" if args.lockstep else ""))
     for name in results:
         if "bandit_state" in raw.get(name, {}):
             bpng = os.path.splitext(png)[0] + f"_{name.replace('@', '_').replace(' ', '_')}.png"

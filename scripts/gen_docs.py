@@ -272,6 +272,9 @@ def _warm(cfg: dict) -> str:
 
 
 def _mode(cfg: dict) -> str:
+    if cfg.get("lockstep"):
+        return ("all engines up at once, stepped in turn one engine step each (`--lockstep`); two plain "
+                "engines, their tokens/s averaged: plain against plain is the noise left")
     if cfg.get("interleave"):
         n = cfg["interleave"]
         return f"all engines up at once, {n} prompt{'s' if n != 1 else ''} each in turn (`--interleave`)"
@@ -339,7 +342,8 @@ def render_result(name: str, out: dict, plot: str | None = None) -> str:
             if method == "plain":
                 fl = plain[c].get("tokens_per_s_first_last")
                 speed += (f" ({plain[c].get('tokens_per_s', 0):.1f} tok/s"
-                          + (f"; first / last run {fl[0]:.1f} / {fl[1]:.1f}" if fl else "") + ")")
+                          + (f"; {'two engines' if cfg.get('lockstep') else 'first / last run'} "
+                             f"{fl[0]:.1f} / {fl[1]:.1f}" if fl else "") + ")")
             cells += [speed, f"{r.get('tau', 0):.2f}"]
         cells.append(_output_vs_plain(rows, cats) if method != "plain" else "-")
         lines.append("| " + " | ".join(cells) + " |")

@@ -99,14 +99,26 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
 
 
 def test_engine_process_serves_turns(default_model, heldout_prompts, plain):
-    """bench.py --interleave's engine: kept up between prompt sets, warmed up 8 at a time and then
-    measured at batch 4; the turns, merged, are plain vLLM's output with vLLM's counters summed."""
+    """bench.py --interleave's and --lockstep's engine: kept up between prompt sets, warmed up 8
+    at a time and then measured at batch 4, one set served whole, the next one engine step at a
+    time under a clock that skips the waits between steps; the turns, merged, are plain vLLM's
+    output with vLLM's counters summed."""
+    import time
     half = len(heldout_prompts) // 2
     spec = {"method": "lookahead", "num_speculative_tokens": 4, "goodput": False}
     eng = EngineProcess(_job(default_model, [], spec, 4, warm=heldout_prompts[:8], warm_batch=8,
-                             report_plugin_state=True))
+                             report_plugin_state=True, lockstep=True))
     try:
-        a, b = (eng.group("all", rows) for rows in (heldout_prompts[:half], heldout_prompts[half:]))
+        a = eng.group("all", heldout_prompts[:half])
+        eng.start("all", heldout_prompts[half:])
+        t0, step_s, more = time.perf_counter(), [], True
+        while more:
+            time.sleep(0.01)                    # time the engine must not count
+            r = eng.step()
+            step_s.append(r["s"])
+            more = r["more"]
+        wall = time.perf_counter() - t0
+        b = eng.done()
         fin = eng.finish()
     finally:
         eng.close()
@@ -117,6 +129,17 @@ def test_engine_process_serves_turns(default_model, heldout_prompts, plain):
     assert got["generated_tokens"] == sum(len(o[0]) for o in got["outputs"])
     assert got["tau"] == pytest.approx(got["generated_tokens"] / (got["generated_tokens"] - got["accepted"]))
     assert fin["plugin_state"][0]["requests"] <= 1
+    assert b["steps"] == len(step_s) and b["seconds"] == pytest.approx(sum(step_s))
+    assert b["seconds"] < wall - 0.01 * len(step_s)        # the sleeps are not the engine's
+
+
+def test_paused_clock_skips_the_waits():
+    from vllm_spec_plugins.tools.runner import PausedClock
+    t = iter([0.0, 1.0, 3.0, 3.5]).__next__
+    clock = PausedClock(real=t)
+    assert clock() == 0.0
+    assert clock.wait(lambda: "line") == "line"        # waited from 1.0 to 3.0
+    assert clock() == 1.5
 
 
 def test_bench_engines_keep_the_openmp_default_wait_policy(monkeypatch):

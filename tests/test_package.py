@@ -169,6 +169,11 @@ def test_benchmarks_page_names_the_host_and_code_version_when_recorded(tmp_path)
     assert "cold/warm: **cold**: no warm-up" in text
     assert "| `plain` | 1.00x (40.0 tok/s; first / last run 39.0 / 41.0) |" in text
     assert "## `other`" in text and "not rendered" in text
+    res["config"] |= {"lockstep": True, "interleave": 0}      # two plain engines side by side
+    (tmp_path / "cold.json").write_text(json.dumps(res))
+    text = gen_docs.render_results(str(tmp_path))
+    assert "| `plain` | 1.00x (40.0 tok/s; two engines 39.0 / 41.0) |" in text
+    assert "(`--lockstep`)" in text and "plain against plain is the noise left" in text
 
 
 def test_benchmarks_page_without_results(tmp_path):

@@ -119,24 +119,29 @@ class _Engine:
             if slots > batch:   # measured at batch_size: vLLM's admission cap (in-process engine)
                 llm.llm_engine.engine_core.engine_core.scheduler.max_num_active_reqs = batch
         mode = getattr(getattr(llm.llm_engine, "vllm_config", None), "compilation_config", None)
+        self._n_started = 0
         self.result = {"startup_s": startup, "groups": {},
                        "compilation_mode": getattr(getattr(mode, "mode", None), "name", None)}
+
+    def _begin(self, name: str, rows: list) -> tuple[list, object]:
+        """Counters before a prompt set: (prompts, params); `_end` reads them back."""
+        job, llm = self.job, self.llm
+        if job.get("report_plugin_state"):
+            from vllm_spec_plugins.proposer import plugin_steps
+            self.result.setdefault("group_start_step", {}).setdefault(name, llm.collective_rpc(plugin_steps)[0])
+        self._m0 = spec_metrics(llm)
+        if job.get("report_plugin_stats"):
+            from vllm_spec_plugins.proposer import plugin_stats
+            self._s0 = llm.collective_rpc(plugin_stats)[0]
+        return to_token_prompts(self.tok, rows), _params(self.sp, name if job.get("tag_category") else None)
 
     def group(self, name: str, rows: list) -> dict:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         job, llm, sp = self.job, self.llm, self.sp
-        if job.get("report_plugin_state"):
-            from vllm_spec_plugins.proposer import plugin_steps
-            self.result.setdefault("group_start_step", {}).setdefault(name, llm.collective_rpc(plugin_steps)[0])
-        prompts = to_token_prompts(self.tok, rows)
+        prompts, params = self._begin(name, rows)
         per_request = job.get("per_request_params")
-        params = _params(sp, name if job.get("tag_category") else None)
-        m0 = spec_metrics(llm)
-        if job.get("report_plugin_stats"):
-            from vllm_spec_plugins.proposer import plugin_stats
-            s0 = llm.collective_rpc(plugin_stats)[0]
         t0 = time.perf_counter()
         if job.get("abort"):
             outs = _generate_with_aborts(llm, prompts, params, **job["abort"])
@@ -144,14 +149,50 @@ class _Engine:
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                 [SamplingParams(**(sp | pr)) for pr in per_request] if per_request else params,
                                 use_tqdm=False)
+        return self._end(prompts, outs, time.perf_counter() - t0)
+
+    def start(self, name: str, rows: list) -> None:
+        """Queue a prompt set for `step` (as `LLM.generate` would: all at once, final outputs only)."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        prompts, params = self._begin(name, rows)
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        self._ids = [f"{name}-{self._n_started}-{i}" for i in range(len(prompts))]
+        self._n_started += 1
+        self._prompts, self._outs, self._seconds, self._steps = prompts, {}, 0.0, 0
+        for rid, p in zip(self._ids, prompts):
+            self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
+
+    def step(self) -> dict:
+        """One engine step of the started set: {"more": requests left, "s": its seconds}; the set's
+        measurements once it is done (`done`)."""
+        eng = self.llm.llm_engine
+        t0 = time.perf_counter()
+        outs = eng.step()
         dt = time.perf_counter() - t0
-        m = _diff(m0, spec_metrics(llm))
+        self._seconds += dt
+        self._steps += 1
+        for o in outs:
+            if o.finished:
+                self._outs[o.request_id] = o
+        return {"more": eng.has_unfinished_requests(), "s": dt}
+
+    def done(self) -> dict:
+        g = self._end(self._prompts, [self._outs[rid] for rid in self._ids], self._seconds)
+        return g | {"steps": self._steps}
+
+    def _end(self, prompts: list, outs: list, dt: float) -> dict:
+        """A prompt set's measurements: outputs, seconds, vLLM's counters and ours since `_begin`."""
+        job, llm = self.job, self.llm
+        m = _diff(self._m0, spec_metrics(llm))
         token_ids = [[list(c.token_ids) for c in o.outputs] for o in outs]
         g = _with_rates({"outputs": token_ids, "texts": [[c.text for c in o.outputs] for o in outs],
                          "prompt_token_ids": prompts, "seconds": dt,
                          "generated_tokens": sum(len(c) for t in token_ids for c in t), **m})
         if job.get("report_plugin_stats"):      # the proposer's own counters over this group
-            s1 = llm.collective_rpc(plugin_stats)[0]
+            from vllm_spec_plugins.proposer import plugin_stats
+            s0, s1 = self._s0, llm.collective_rpc(plugin_stats)[0]
             g["plugin_stats"] = {      # counters: difference; lists: new entries
                 k: v[len(s0.get(k, ())):] if isinstance(v, list) else v - s0.get(k, 0) for k, v in s1.items()}
         if job.get("logprobs") is not None:
@@ -273,6 +314,16 @@ class EngineProcess:
     def group(self, name: str, rows: list) -> dict:
         return self._call({"group": name, "rows": rows})
 
+    def start(self, name: str, rows: list) -> None:
+        """Queue a prompt set; `step` runs it one engine step at a time, `done` measures it."""
+        self._call({"start": name, "rows": rows})
+
+    def step(self) -> dict:
+        return self._call({"step": True})
+
+    def done(self) -> dict:
+        return self._call({"done": True})
+
     def finish(self) -> dict:
         out = self._call({"finish": True})
         self.close()
@@ -288,19 +339,53 @@ class EngineProcess:
                 self.p.wait()
 
 
+class PausedClock:
+    """`time.perf_counter` less the seconds this process spent waiting for its parent: with
+    engines run in lockstep (`EngineProcess.step`), each engine's clocks (vLLM's, the plugin's
+    step-cost and tokens/s measurements) see its own steps back to back, as if it ran alone."""
+
+    def __init__(self, real=time.perf_counter):
+        self.real, self.paused = real, 0.0
+
+    def __call__(self) -> float:
+        return self.real() - self.paused
+
+    def wait(self, read):
+        t0 = self.real()
+        try:
+            return read()
+        finally:
+            self.paused += self.real() - t0
+
+
 def _serve() -> None:
-    """The child side of `EngineProcess`: a job line, then {"group", "rows"} lines, then {"finish"}."""
+    """The child side of `EngineProcess`: a job line, then {"group", "rows"} lines (or
+    {"start", "rows"}, {"step"}..., {"done"}), then {"finish"}. A job with "lockstep" runs under
+    a `PausedClock`, installed before vLLM or the plugin is imported."""
     def reply(obj):
         sys.stdout.write("\n" + _MARK + json.dumps(obj) + "\n")
         sys.stdout.flush()
-    eng = _Engine(json.loads(sys.stdin.readline()))
+    job = json.loads(sys.stdin.readline())
+    read = sys.stdin.readline
+    if job.get("lockstep"):
+        clock = time.perf_counter = PausedClock()
+        read = lambda: clock.wait(sys.stdin.readline)      # noqa: E731
+    eng = _Engine(job)
     reply({"startup_s": eng.result["startup_s"]})
-    for line in sys.stdin:
+    for line in iter(read, ""):
         msg = json.loads(line)
         if msg.get("finish"):
             reply(eng.finish())
             return
-        reply(eng.group(msg["group"], msg["rows"]))
+        if msg.get("step"):
+            reply(eng.step())
+        elif "start" in msg:
+            eng.start(msg["start"], msg["rows"])
+            reply({})
+        elif msg.get("done"):
+            reply(eng.done())
+        else:
+            reply(eng.group(msg["group"], msg["rows"]))
 
 
 if __name__ == "__main__":

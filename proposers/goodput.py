@@ -37,8 +37,10 @@ the expected gain's calibration is shrunk towards 1 (a cold request's first reje
 not a rate). Its own seconds are priced from steady steps only: not its first call (cold:
 allocations, first kernel runs), not a step where a row catches up on tokens it skipped while off
 (a one-off of drafting again, priced with the probe). While off, `probe_rows` requests (in
-turn) draft again once the probe's cost has fallen to ~1% of the time since the last one, two
-steps in a row: the first pays the catch-up, the second measures the steady cost. The wrapped
+turn) draft again once the probe's cost (with its catch-ups, and its scans of prompts the
+proposer had not seen: a drafter that stays off never makes them) has fallen to ~1% of the time
+since the last one, two steps in a row: the first pays the catch-up, the second measures the
+steady cost. The wrapped
 proposer sees every step (with a budget of 0 while off) and catches up on what it skipped when it
 drafts again.
 
@@ -221,7 +223,8 @@ class Goodput(Proposer):
         One that costs real time (a draft model) starts on and runs until its steady cost is
         measured, then while R_on >= R_off, with the gain the cut expects (scaled by
         `calibration`) one standard error above its mean (`gain_bound`); while off it probes when
-        the probe's cost (`probe_s`: its two steps, catch-up and jumps included) has fallen to
+        the probe's cost (`probe_s`: its two steps, catch-up, scans of prompts it had not seen and
+        jumps included) has fallen to
         `probe_share` of the time since the last (never sooner than `probe_every` steps)."""
         if self._probe is not None:            # a probe's second step: the steady one
             return "probe"
@@ -322,9 +325,10 @@ class Goodput(Proposer):
         once0 = self.inner.once_seconds
         t0 = self.clock()
         drafted = self.inner.propose(replace(sub, num_speculative_tokens=depth))
-        # a request's one-off work (a draft model's scan of its prompt) is paid on or off: not a
-        # step's cost
-        draft_s = self.clock() - t0 - (self.inner.once_seconds - once0)
+        # a request's one-off work (a draft model's scan of its prompt) is not a step's cost; a
+        # probe's is the probe's: a drafter that stays off never scans the rows it probed
+        once = self.inner.once_seconds - once0
+        draft_s = self.clock() - t0 - once
         cls = self.inner.classes or [generic_classes(len(d)) for d in drafted]
         kept = self._allocate(sub, drafted, cls, n) if mode != "off" else [0] * len(drafted)
         if self.sync is not None:
@@ -343,9 +347,10 @@ class Goodput(Proposer):
         self.steps += 1
         st = self.goodput_stats
         st["steps"] += 1
-        if mode == "probe":                  # a probe's seconds: both its steps, with their jumps
+        if mode == "probe":                  # a probe's seconds: both its steps, their jumps and scans
             fit = self.cost.fit(n)
-            self._probe_s = (self._probe_s if self._probe is not None else 0.0) + draft_s + (fit[2] if fit else 0.0)
+            self._probe_s = (self._probe_s if self._probe is not None else 0.0) + draft_s + once \
+                + (fit[2] if fit else 0.0)
             if self._probe is not None:
                 bucket["probe_s"] = self._probe_s
             self._probe = None if self._probe is not None else {r.req_id for r in sub.requests if r.sampled}

@@ -483,3 +483,48 @@ def test_where_verification_is_dear_a_drafter_that_loses_is_off_within_a_few_ste
     st = prop.goodput_stats
     assert drafting_share(prop, 16, span["r2"][1]) < 0.1 and st["drafted"] < 0.1 * st["steps"], prop.goodput_state()
     assert t < 1.03 * plain, (t / plain, prop.goodput_state())
+
+
+class ScanningLoser(Costly):
+    """`Costly` (never right) that, like a draft model, scans a request's prompt the first time it
+    drafts for it: `scan` clock seconds, counted in `once_seconds`."""
+
+    def __init__(self, refs, clock, cost, scan):
+        super().__init__(refs, clock, cost)
+        self.scan, self.seen, self.once_seconds = scan, set(), 0.0
+
+    def propose(self, ctx):
+        if ctx.budget(self.k):
+            for r in ctx.requests:
+                if r.sampled and r.req_id not in self.seen:
+                    self.seen.add(r.req_id)
+                    self.clock.t += self.scan
+                    self.once_seconds += self.scan
+        return super().propose(ctx)
+
+
+def test_probes_of_a_drafter_that_is_off_pay_for_the_prompts_they_scan():
+    """Batch 8 with new requests arriving: a drafter that never pays is off, and each probe
+    drafts for rows it has not seen, scanning their prompts first (here 3 steps' worth each).
+    Those scans exist only because of the probe: priced as part of it, probes come at most once
+    every 256 steps (`16 * probe_every`), instead of scanning every new request. Scanned: the 8
+    rows of the cold start (it starts on) and two probes' 4 rows each."""
+    target = lcg()
+    clock = Clock(target, 10.0, 1.0)
+    prompts = {f"r{i}": [7 + i, 3 * i + 1] for i in range(48)}
+    refs = {tuple(p): greedy(target, p, 68) for p in prompts.values()}
+    inner = ScanningLoser(refs, clock, 1.0, scan=54.0)
+    prop = Goodput(inner, clock=clock)
+    eng = ToyEngine(prop, clock.next, vocab_size=V)
+    queue = list(prompts.items())
+    while queue or eng.reqs:
+        while queue and len(eng.reqs) < 8:
+            rid, p = queue.pop(0)
+            eng.add(rid, p, 60)
+        eng.step()
+        clock.t += 10.0
+    eng.flush()
+    for rid, p in prompts.items():
+        assert eng.done[rid].out == refs[tuple(p)][:60]
+    assert len(inner.seen) <= 16 and inner.once_seconds < 0.15 * clock.t, \
+        (inner.once_seconds / clock.t, len(inner.seen), prop.goodput_stats)

@@ -530,6 +530,8 @@ def summarize(res: dict, plain: dict, greedy: bool) -> dict:
         drafts = g["drafts"]
         row = {k: g[k] for k in ("tokens_per_s", "tau", "drafts", "draft_tokens", "accepted",
                                  "generated_tokens", "seconds")}
+        if "steps" in g:            # --lockstep: engine steps, for the mean seconds of one
+            row["engine_steps"] = g["steps"]
         row["speedup_vs_plain"] = g["tokens_per_s"] / p["tokens_per_s"] if p["tokens_per_s"] else 0.0
         row["acceptance_per_position"] = [a / drafts for a in g["accepted_per_pos"]] if drafts else []
         row["acceptance_rate"] = g["accepted"] / g["draft_tokens"] if g["draft_tokens"] else 0.0

@@ -48,7 +48,7 @@ decides how much of a ratio is noise (each table's "engines" line says which way
 - one engine at a time (plain first and last): drift between the engines goes into the ratios;
   at batch 8, methods that drafted next to nothing measured 0.93x-1.14x plain;
 - `--interleave N`: all engines up, each serving N prompts in turn; drift within a turn remains;
-- `--lockstep`: all engines up, one engine step each in turn (~30 ms), each engine timing its
+- `--lockstep`: all engines up, one engine step each in turn (20-45 ms here), each engine timing its
   own steps only (its clocks skip the others' turns), and a second plain engine beside the
   first. Drift hits every engine alike; what remains is a per-process difference in speed that
   no interleaving cancels: the two plain engines of one run differ by a few percent (the `plain`

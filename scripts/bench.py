@@ -121,12 +121,12 @@ def parse_args(argv=None):
                    help="keep one engine per method up and serve N prompts to each in turn (rotating which "
                         "goes first), category by category: the host's speed drift hits every method alike "
                         "(engines get 1 GiB of KV cache each; replaces --repeats and the second plain run)")
-    p.add_argument("--lockstep", action="store_true",
-                   help="keep one engine per method up (and a second plain one) and step them in turn, one "
-                        "engine step each, every category's prompts queued at once: the host's speed drift "
-                        "hits every method within a step, each engine's clocks skip the time the others run, "
-                        "and plain against plain (again) shows the noise left (replaces --interleave and "
-                        "--repeats; 1 GiB of KV cache per engine)")
+    p.add_argument("--lockstep", type=int, nargs="?", const=LOCKSTEP_STEPS, default=0, metavar="K",
+                   help="keep one engine per method up (and a second plain one) and step them in turn, K engine "
+                        f"steps each (default {LOCKSTEP_STEPS}), every category's prompts queued at once: the "
+                        "host's speed drift hits every method within a fraction of a second, each engine's clocks "
+                        "skip the time the others run, and plain against plain (again) shows the noise left "
+                        "(replaces --interleave and --repeats; 1 GiB of KV cache per engine)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run the whole method list this many times, interleaved (A B C A B C ...); "
                         "tokens/s is the median over repeats (tau does not change)")
@@ -780,16 +780,22 @@ def run_interleaved(jobs: dict, groups: dict, n: int, env: dict, tqdm) -> dict:
             e.close()
 
 
-#: seconds between two engines' steps in --lockstep: the OpenMP threads of the engine that just
+#: engine steps per turn in --lockstep: the first step after another engine ran pays ~3-4 ms here
+#: (caches and predictors refilled: +12% on a ~28 ms step, measured with two plain engines), which
+#: would favour methods that take fewer steps; K steps a turn leave 1/K of it
+LOCKSTEP_STEPS = 8
+
+#: seconds between two engines' turns in --lockstep: the OpenMP threads of the engine that just
 #: stepped spin a little before they sleep, and must not share the cores with the next one's step
 LOCKSTEP_GAP_S = 0.002
 
 
-def run_lockstep(jobs: dict, groups: dict, env: dict, tqdm, gap: float = LOCKSTEP_GAP_S) -> dict:
+def run_lockstep(jobs: dict, groups: dict, env: dict, tqdm, steps: int = LOCKSTEP_STEPS,
+                 gap: float = LOCKSTEP_GAP_S) -> dict:
     """`run_isolated`'s results for every job, measured in lockstep: all engines up, then per
-    category every engine gets all its prompts at once and the engines take one step each in
-    turn (the first rotating every round) until all are done. Each engine's seconds are the sum
-    of its own steps (`runner.PausedClock`)."""
+    category every engine gets all its prompts at once and the engines take `steps` engine steps
+    each in turn (the first rotating every round) until all are done. Each engine's seconds are
+    the sum of its own steps (`runner.PausedClock`)."""
     from vllm_spec_plugins.tools.runner import EngineProcess
     engines: dict = {}
     try:
@@ -804,9 +810,11 @@ def run_lockstep(jobs: dict, groups: dict, env: dict, tqdm, gap: float = LOCKSTE
             while live:
                 for name in live[r % len(live):] + live[:r % len(live)]:
                     time.sleep(gap)
-                    if not engines[name].step()["more"]:
-                        got[name][cat] = engines[name].done()
-                        live.remove(name)
+                    for _ in range(steps):
+                        if not engines[name].step()["more"]:
+                            got[name][cat] = engines[name].done()
+                            live.remove(name)
+                            break
                 r += 1
                 bar.update()
             bar.close()
@@ -838,7 +846,7 @@ def measure(args, configs: dict, groups: dict, base: dict, env: dict, tqdm) -> t
             raise SystemExit("--lockstep replaces --interleave and --repeats: give one of them")
         warn_memory(len(configs) + 1)
         raw = run_lockstep({name: job(spec) for name, spec in configs.items()} | {"plain (again)": job(None)},
-                           groups, env | {"VLLM_CPU_KVCACHE_SPACE": "1"}, tqdm)
+                           groups, env | {"VLLM_CPU_KVCACHE_SPACE": "1"}, tqdm, steps=args.lockstep)
         runs = []
     elif args.interleave:
         if args.repeats > 1:
@@ -992,7 +1000,7 @@ def main(argv=None):
                              f"{args.max_tokens} tokens, {host['isa']}" + (", cold" if conds[0] == "cold" else "")
          + (f", after {args.warm} warm-up prompts per category" if args.warm else "")
          + (f", interleaved ({args.interleave} a turn)" if args.interleave else "")
-         + (", engines in lockstep" if args.lockstep else ""))
+         + (f", engines in lockstep ({args.lockstep} steps a turn)" if args.lockstep else ""))
     for name in results:
         if "bandit_state" in raw.get(name, {}):
             bpng = os.path.splitext(png)[0] + f"_{name.replace('@', '_').replace(' ', '_')}.png"

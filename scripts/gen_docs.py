@@ -287,8 +287,10 @@ def _warm(cfg: dict) -> str:
 
 def _mode(cfg: dict) -> str:
     if cfg.get("lockstep"):
-        return ("all engines up at once, stepped in turn one engine step each (`--lockstep`); two plain "
-                "engines, their tokens/s averaged: plain against plain is the noise left")
+        k = 1 if cfg["lockstep"] is True else cfg["lockstep"]     # True: one step a turn
+        return (f"all engines up at once, stepped in turn, {k} engine step{'s' if k != 1 else ''} each "
+                f"(`--lockstep {k}`); two plain engines, their tokens/s averaged: plain against plain is the "
+                "noise left")
     if cfg.get("interleave"):
         n = cfg["interleave"]
         return f"all engines up at once, {n} prompt{'s' if n != 1 else ''} each in turn (`--interleave`)"

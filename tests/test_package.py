@@ -173,7 +173,7 @@ def test_benchmarks_page_names_the_host_and_code_version_when_recorded(tmp_path)
     (tmp_path / "cold.json").write_text(json.dumps(res))
     text = gen_docs.render_results(str(tmp_path))
     assert "| `plain` | 1.00x (40.0 tok/s; two engines 39.0 / 41.0) |" in text
-    assert "(`--lockstep`)" in text and "plain against plain is the noise left" in text
+    assert "(`--lockstep 1`)" in text and "plain against plain is the noise left" in text
 
 
 def test_benchmarks_page_without_results(tmp_path):

@@ -48,11 +48,14 @@ decides how much of a ratio is noise (each table's "engines" line says which way
 - one engine at a time (plain first and last): drift between the engines goes into the ratios;
   at batch 8, methods that drafted next to nothing measured 0.93x-1.14x plain;
 - `--interleave N`: all engines up, each serving N prompts in turn; drift within a turn remains;
-- `--lockstep`: all engines up, one engine step each in turn (20-45 ms here), each engine timing its
-  own steps only (its clocks skip the others' turns), and a second plain engine beside the
-  first. Drift hits every engine alike; what remains is a per-process difference in speed that
-  no interleaving cancels: the two plain engines of one run differ by a few percent (the `plain`
-  row of each such table gives both). Read ratios that close to 1.00x as equal.
+- `--lockstep K`: all engines up, K engine steps each in turn (8 by default, a fraction of a
+  second), each engine timing its own steps only (its clocks skip the others' turns), and a
+  second plain engine beside the first. Drift hits every engine alike. The first step after
+  another engine ran takes 3-4 ms more here (caches refilled: +12% of a step, measured with two
+  plain engines): with one step a turn (`--lockstep 1`) that favours the methods that take fewer
+  steps by ~2-3%; K steps a turn leave 1/K of it. What remains is a per-process difference in
+  speed that no interleaving cancels: the two plain engines of one run differ by a few percent
+  (the `plain` row of each such table gives both). Read ratios that close to 1.00x as equal.
 
 ## When speculation pays on a CPU
 

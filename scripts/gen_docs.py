@@ -461,6 +461,11 @@ def render_serve_result(name: str, out: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
 def result_files(results_dir: str = RESULTS_DIR) -> list[str]:
     return sorted(glob.glob(os.path.join(results_dir, "*.json")))
 
@@ -473,8 +478,7 @@ def render_results(results_dir: str = RESULTS_DIR) -> str:
     sections, serve = [], []
     for path in files:
         name = os.path.splitext(os.path.basename(path))[0]
-        with open(path) as f:
-            out = json.load(f)
+        out = _read_json(path)
         if is_serve_result(out):       # after every scripts/bench.py section
             serve.append(render_serve_result(name, out))
             continue
@@ -489,8 +493,7 @@ def draw_plots(results_dir: str = RESULTS_DIR) -> list[str]:
     bench = _bench()
     written = []
     for path in result_files(results_dir):
-        with open(path) as f:
-            out = json.load(f)
+        out = _read_json(path)
         results, cfg = out.get("results"), out.get("config") or {}
         if not isinstance(results, dict) or "plain" not in results or is_serve_result(out):
             continue
@@ -537,8 +540,7 @@ def render_pays(results_dir: str = RESULTS_DIR) -> str:
     import statistics
     rows, served = [], _served_methods()
     for path in result_files(results_dir):
-        with open(path) as f:
-            out = json.load(f)
+        out = _read_json(path)
         cost, results, cfg = out.get("draft_cost"), out.get("results") or {}, out.get("config") or {}
         if not cost or "plain" not in results:
             continue
@@ -573,11 +575,6 @@ GPU_PLOT = os.path.join(GPU_RESULTS_DIR, "verification_cost.png")
 #: query tokens per request the GPU table shows (q = 1 + drafts), and the context of the plot
 GPU_Q = (2, 4, 8, 16, 32, 64)
 GPU_PLOT_CTX = 2048
-
-
-def _read_json(path: str):
-    with open(path) as f:
-        return json.load(f)
 
 
 def gpu_runs(gpu_dir: str = GPU_RESULTS_DIR) -> list[tuple[str, dict | None, dict | None]]:

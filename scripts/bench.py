@@ -21,6 +21,7 @@ tells a numerical near-tie from a bug.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -759,25 +760,34 @@ def plot(results, cats, path, title):
     fig.savefig(path, dpi=110)
 
 
+@contextlib.contextmanager
+def engines_up(jobs: dict, env: dict, tqdm, **extra):
+    """{name: `EngineProcess`} of every job (with `extra` keys), all up at once; closed on the way
+    out, finished or not."""
+    from vllm_spec_plugins.tools.runner import EngineProcess
+    engines: dict = {}
+    try:
+        for name, j in tqdm(jobs.items(), desc="engines up", unit="engine"):
+            engines[name] = EngineProcess({**j, "groups": {}, **extra}, env=env)
+        yield engines
+    finally:
+        for e in engines.values():
+            e.close()
+
+
 def run_interleaved(jobs: dict, groups: dict, n: int, env: dict, tqdm) -> dict:
     """`run_isolated`'s results for every job, measured in turns: all engines up (and warmed),
     then for each turn of n prompts of a category every engine serves them, the first engine
     rotating from turn to turn."""
-    from vllm_spec_plugins.tools.runner import EngineProcess, merge_groups
-    engines: dict = {}
-    try:
-        for name, j in tqdm(jobs.items(), desc="engines up", unit="engine"):
-            engines[name] = EngineProcess({**j, "groups": {}}, env=env)
+    from vllm_spec_plugins.tools.runner import merge_groups
+    with engines_up(jobs, env, tqdm) as engines:
         turns = [(cat, rows[i:i + n]) for cat, rows in groups.items() for i in range(0, len(rows), n)]
         names, got = list(jobs), {name: {} for name in jobs}
         for t, (cat, rows) in enumerate(tqdm(turns, desc="turns", unit="turn")):
             for name in names[t % len(names):] + names[:t % len(names)]:
                 g = engines[name].group(cat, rows)
                 got[name][cat] = merge_groups(got[name][cat], g) if cat in got[name] else g
-        return {name: engines.pop(name).finish() | {"groups": got[name]} for name in names}
-    finally:
-        for e in engines.values():
-            e.close()
+        return {name: engines[name].finish() | {"groups": got[name]} for name in names}
 
 
 #: engine steps per turn in --lockstep: the first step after another engine ran pays ~3-4 ms here
@@ -796,11 +806,7 @@ def run_lockstep(jobs: dict, groups: dict, env: dict, tqdm, steps: int = LOCKSTE
     category every engine gets all its prompts at once and the engines take `steps` engine steps
     each in turn (the first rotating every round) until all are done. Each engine's seconds are
     the sum of its own steps (`runner.PausedClock`)."""
-    from vllm_spec_plugins.tools.runner import EngineProcess
-    engines: dict = {}
-    try:
-        for name, j in tqdm(jobs.items(), desc="engines up", unit="engine"):
-            engines[name] = EngineProcess({**j, "groups": {}, "lockstep": True}, env=env)
+    with engines_up(jobs, env, tqdm, lockstep=True) as engines:
         names, got = list(jobs), {name: {} for name in jobs}
         for cat, rows in groups.items():
             for name in names:
@@ -818,10 +824,7 @@ def run_lockstep(jobs: dict, groups: dict, env: dict, tqdm, steps: int = LOCKSTE
                 r += 1
                 bar.update()
             bar.close()
-        return {name: engines.pop(name).finish() | {"groups": got[name]} for name in names}
-    finally:
-        for e in engines.values():
-            e.close()
+        return {name: engines[name].finish() | {"groups": got[name]} for name in names}
 
 
 def conditions(args) -> list[str]:

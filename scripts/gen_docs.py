@@ -46,8 +46,8 @@ A shared 2-core host drifts in speed by 10-15% over minutes, so how the engines 
 decides how much of a ratio is noise (each table's "engines" line says which way it ran):
 
 - one engine at a time (plain first and last): drift between the engines goes into the ratios;
-  at batch 8, methods that drafted next to nothing measured 0.93x-1.14x plain;
-- `--interleave N`: all engines up, each serving N prompts in turn; drift within a turn remains;
+- `--interleave N`: all engines up, each serving N prompts in turn; drift within a turn remains
+  (at batch 8, methods that drafted next to nothing measured 0.93x-1.14x plain);
 - `--lockstep K`: all engines up, K engine steps each in turn (8 by default, a fraction of a
   second), each engine timing its own steps only (its clocks skip the others' turns), and a
   second plain engine beside the first. Drift hits every engine alike. The first step after

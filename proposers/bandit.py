@@ -14,14 +14,14 @@ context = (traffic key, batch-size bucket). An arm's value is tokens per second 
 slot, what a user pays for: the tokens a step makes per request with that shape (accepted drafts
 + 1, observed) over the seconds of a step with that shape at the current batch size. The
 seconds are priced by a cost model fitted online to every step's measured time (`StepCost`,
-shared with `goodput`: a + b * tokens run + a jump for any step that verifies drafts, growing
-with the batch, + e * the context the decoding rows attend to; the time between two proposals,
-drafting included), times the arm's own mean
+shared with `goodput`: a + b * verified tokens + p * prefill tokens + a jump for any step that
+verifies drafts, growing with the batch, + e * the context the decoding rows attend to; the time
+between two proposals, drafting included), times the arm's own mean
 ratio of measured to predicted seconds, predicted by the model as fitted now (what the linear
 model misses: a tree step's mask, a wide tree's drafting). Why not each arm's mean raw step
 time: under continuous traffic every step also runs prefill work whose size has nothing to do
-with the arm, and at large batches that noise swamps the drafts' own cost; the fit explains the
-prefill tokens, every step informs it, and an arm is priced at any batch size. The context term
+with the arm, and at large batches that noise swamps the drafts' own cost; the fit prices the
+prefill tokens apart, every step informs it, and an arm is priced at any batch size. The context term
 matters as much: one table sees every kind of traffic of its bucket, and without it an arm pulled
 during long-context steps (summaries) carries their cost into short-context ones. Why UCB,
 discounted:
@@ -45,7 +45,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, replace
 
 from .base import BuildEnv, MethodConfig, Proposer, RequestStep, StepContext, check_prompt_lookup, key
-from .cost import StepCost, attended, batch_bucket, continues
+from .cost import StepCost, batch_bucket, continues, step_features
 from .lookahead import SHARED_POOL_HELP, LookaheadConfig, LookaheadProposer, _select, shaped_tree
 
 logger = logging.getLogger("vllm_spec_plugins")
@@ -88,7 +88,7 @@ def shape_name(s: tuple) -> str:
     return "-".join(map(str, s)) if s else "none"
 
 
-UNIT = (1.0, 0.0, 0.0, 0.0, 0.0)      # cost features / weights of "1 per step"
+UNIT = (1.0,) + (0.0,) * (StepCost.N_FEATURES - 1)     # cost features / weights of "1 per step"
 
 
 class DiscountedUCB:
@@ -409,17 +409,15 @@ class BanditTreeProposer(Proposer):
         live = [r for r in ctx.requests if r.sampled]
         self._ids, timed = continues(self._ids, ctx.requests)
         if self.last_start is not None and timed:
-            tokens, rows = ctx.tokens_run(), len(ctx.requests)
             # A new request's prompt scan by the drafter is one-off work that no arm chose: not a
             # step cost (one such scan in a handful of pulls sank a tree arm for a whole run).
-            seconds, drafts = now - self.last_start - self.once_s, any(r.drafts for r in ctx.requests)
-            kv = attended(ctx.requests)
+            seconds, f = now - self.last_start - self.once_s, step_features(ctx)
             timing = None          # (seconds within [1/3, 3] x predicted: one stall must not sink an arm, features)
             if self.cost.n:
-                pred = max(self.cost.predict(tokens, drafts, rows, kv), 1e-9)
-                timing = (min(max(seconds, pred / 3), 3 * pred), self.cost.features(tokens, drafts, rows, kv))
+                pred = max(self.cost.predict(**f), 1e-9)
+                timing = (min(max(seconds, pred / 3), 3 * pred), self.cost.features(**f))
             if not self.pending or self._reward(live, seconds, timing):
-                self.cost.observe(tokens, seconds, drafts, rows, kv)
+                self.cost.observe(seconds=seconds, **f)
         self.pending, self.subsets = {}, {}
         while len(self.tables) > self.MAX_TABLES:      # rewards are in: the least recently used go
             self.tables.popitem(last=False)
@@ -568,7 +566,7 @@ class BanditTreeProposer(Proposer):
         """Bandit state for metrics, logs and the benchmark's plots."""
         return {"shapes": [list(s) for s in self.shapes], "steps": self.steps,
                 "draft_seconds": self.draft_seconds,
-                "cost_a_b_c0_c1_e_s": None if self.cost.coef() is None else [float(x) for x in self.cost.coef()],
+                "cost_a_b_p_c0_c1_e_s": None if self.cost.coef() is None else [float(x) for x in self.cost.coef()],
                 "tables": {f"{kk}|{bucket}": {"pulls": t.pulls, "mean_reward": self.rates((kk, bucket))}
                            for (kk, bucket), t in self.tables.items()},
                 "history": [list(h) for h in self.history]}

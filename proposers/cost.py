@@ -27,34 +27,51 @@ def attended(requests) -> float:
     return sum((1 + len(r.drafts)) * len(r.token_ids) for r in requests if r.sampled) / KV_UNIT
 
 
+def step_features(ctx) -> dict:
+    """The cost features of the step that just finished (`ctx`), as `StepCost.observe`,
+    `predict` and `features` take them: tokens run, whether it verified drafts, rows, attention
+    read (`attended`), and its prefill tokens (the tokens run beyond 1 + verified drafts per row)."""
+    tokens = ctx.tokens_run()
+    return {"tokens": tokens, "drafts": any(r.drafts for r in ctx.requests), "rows": len(ctx.requests),
+            "kv": attended(ctx.requests),
+            "prefill": max(tokens - sum(1 + len(r.drafts) for r in ctx.requests), 0)}
+
+
 class StepCost:
-    """seconds = a + b * T + D * (c0 + c1 * B) + e * KV: T tokens run, D = 1 if the step verified
-    drafts, B rows, KV the attention the decoding rows read (`attended`: query tokens x context;
-    0 where the caller does not pass it). The jump D * (c0 + c1 * B) is what any speculation costs
-    a step beyond its tokens (measured on this CPU: ~0.3-1.5 ms per row, mostly in the target's
-    pass once requests carry more than one query token). KV separates a long-context step from a
-    short one with the same tokens: at batch 16 a summary's step costs ~2x a chat step here, and
-    without it the arms of a bandit pulled during one kind of traffic were priced against steps of
-    the other. Discounted least squares; b is shrunk towards mean / 32, the jump and e towards 0
-    while the data cannot tell them apart."""
+    """seconds = a + b * Q + p * P + D * (c0 + c1 * B) + e * KV: Q the decoding rows' query tokens
+    (1 + verified drafts each), P prefill tokens, D = 1 if the step verified drafts, B rows, KV the
+    attention the decoding rows read (`attended`: query tokens x context; 0 where the caller does
+    not pass it). b is the price of one more verified draft. A prefill token has its own price: it
+    runs in one large matrix product with its prompt, and costs about half a verified draft here
+    (~0.6 against ~1.2 ms at batch 8); priced alike, a fit over traffic that prefills takes b for
+    a prefill token's price and a per-row jump makes up the rest, so a few drafts look dear and
+    many look cheap. The jump D * (c0 + c1 * B) is what any speculation costs a step beyond its
+    tokens. KV separates a long-context step from a short one with the same tokens: at batch 16 a
+    summary's step costs ~2x a chat step here, and without it the arms of a bandit pulled during
+    one kind of traffic were priced against steps of the other. Discounted least squares; b and p
+    are shrunk towards mean / 32, the jump and e towards 0 while the data cannot tell them apart."""
+
+    #: the features of one step (`features`): 1, Q, P, D, D * B, KV
+    N_FEATURES = 6
 
     def __init__(self, discount: float = 0.99, prior_tokens: float = 32.0,
-                 ridge: tuple[float, float, float, float] = (16.0, 1.0, 16.0, 256.0)):
+                 ridge: tuple[float, float, float, float, float] = (16.0, 16.0, 1.0, 16.0, 256.0)):
         self.g, self.prior_tokens = discount, prior_tokens
         self.ridge = np.diag([0.0, *ridge])
-        self.xtx = np.zeros((5, 5))
-        self.xty = np.zeros(5)
+        self.xtx = np.zeros((self.N_FEATURES, self.N_FEATURES))
+        self.xty = np.zeros(self.N_FEATURES)
         self.n = 0
         self.plain_weight = 0.0        # discounted count of steps without drafts
         self.weight = 0.0              # discounted count of all steps
         self._w: np.ndarray | None = None
 
-    def observe(self, tokens: float, seconds: float, drafts: bool = False, rows: int = 1, kv: float = 0.0) -> None:
+    def observe(self, tokens: float, seconds: float, drafts: bool = False, rows: int = 1, kv: float = 0.0,
+                prefill: float = 0.0) -> None:
         if seconds <= 0:
             return
         if self.n >= 16:                       # one stall (GC, another process) must not set the price
-            seconds = min(seconds, 3.0 * self.predict(tokens, drafts, rows, kv))
-        x = np.array(self.features(tokens, drafts, rows, kv))
+            seconds = min(seconds, 3.0 * self.predict(tokens, drafts, rows, kv, prefill))
+        x = np.array(self.features(tokens, drafts, rows, kv, prefill))
         self.xtx = self.xtx * self.g + np.outer(x, x)
         self.xty = self.xty * self.g + x * seconds
         self.plain_weight = self.plain_weight * self.g + (not drafts)
@@ -72,12 +89,13 @@ class StepCost:
         return self.n > 0 and (pw < least or pw < min(cold, share * (self.weight - pw)))
 
     def coef(self) -> np.ndarray | None:
-        """[a, b, c0, c1, e], or None before the first observation."""
+        """[a, b, p, c0, c1, e], or None before the first observation."""
         if self.n == 0:
             return None
         if self._w is None:
-            w0 = np.array([0.0, self.xty[0] / self.xtx[0, 0] / self.prior_tokens, 0.0, 0.0, 0.0])
-            w = np.linalg.solve(self.xtx + self.ridge + 1e-9 * np.eye(5), self.xty + self.ridge @ w0)
+            m = self.xty[0] / self.xtx[0, 0] / self.prior_tokens
+            w0 = np.array([0.0, m, m, 0.0, 0.0, 0.0])
+            w = np.linalg.solve(self.xtx + self.ridge + 1e-9 * np.eye(self.N_FEATURES), self.xty + self.ridge @ w0)
             w[1:] = np.maximum(w[1:], 0.0)
             self._w = w
         return self._w
@@ -87,17 +105,20 @@ class StepCost:
         msgpack), or None before the first observation; with `context` (mean context length of
         the decoding rows), b is the price of one more query token at that context: b + e * context."""
         w = self.weights()
-        return None if w is None else (w[0], w[1] + w[4] * context / KV_UNIT, w[2] + w[3] * rows)
+        return None if w is None else (w[0], w[1] + w[5] * context / KV_UNIT, w[3] + w[4] * rows)
 
     def weights(self) -> list[float] | None:
-        """[a, b, c0, c1, e] as plain floats, a >= 0: predict = weights . features."""
+        """[a, b, p, c0, c1, e] as plain floats, a >= 0: predict = weights . features."""
         w = self.coef()
         return None if w is None else [max(float(w[0]), 0.0), *(float(x) for x in w[1:])]
 
     @staticmethod
-    def features(tokens: float, drafts: bool = False, rows: int = 1, kv: float = 0.0) -> list[float]:
-        return [1.0, float(tokens), float(drafts), float(drafts) * rows, float(kv)]
+    def features(tokens: float, drafts: bool = False, rows: int = 1, kv: float = 0.0,
+                 prefill: float = 0.0) -> list[float]:
+        """`tokens`: all the step ran, `prefill` of them prompt tokens."""
+        return [1.0, float(tokens) - float(prefill), float(prefill), float(drafts), float(drafts) * rows, float(kv)]
 
-    def predict(self, tokens: float, drafts: bool = False, rows: int = 1, kv: float = 0.0) -> float:
+    def predict(self, tokens: float, drafts: bool = False, rows: int = 1, kv: float = 0.0,
+                prefill: float = 0.0) -> float:
         w = self.weights()
-        return 0.0 if w is None else sum(a * x for a, x in zip(w, self.features(tokens, drafts, rows, kv)))
+        return 0.0 if w is None else sum(a * x for a, x in zip(w, self.features(tokens, drafts, rows, kv, prefill)))

@@ -4,10 +4,11 @@ A draft token pays when its chance of being accepted is worth more than the time
 verification adds. Both are measured, apart:
 
 * cost (`StepCost`): a step's seconds, from the end of one proposal to the start of the next
-  (the engine's scheduling, the target's pass, sampling), fitted online as a + b * T + a jump
-  for any step that verifies drafts, T = the tokens the target ran (prefill, decode and drafts).
-  b is the price of one more verified token: ~0.3-0.4 ms on a ~15 ms step here (2 CPU cores),
-  near 0 on a GPU's flat part.
+  (the engine's scheduling, the target's pass, sampling), fitted online as a + b * Q + p * P +
+  a jump for any step that verifies drafts + e * the context read, Q the decoding rows' query
+  tokens (1 + drafts each), P the prefill tokens. b + e * context is the price of one more
+  verified token: ~1.2 ms on a ~24 ms batch-8 step here (2 CPU cores, bf16), near 0 on a GPU's
+  flat part.
 * acceptance (`AcceptModel`): each draft token carries a class from its proposer (where it came
   from, its depth, the drafter's confidence). The chance that a token is accepted once its
   parent was is learned per class from the verified drafts: over all requests (decayed counts
@@ -19,8 +20,8 @@ Each step the wrapped proposer drafts its full chains; a token's p is the produc
 and its ancestors' rates (its chance of acceptance). Over the whole batch, best p first, a token
 is kept while p > b * R, R = tokens the step makes / its predicted seconds with what is kept so
 far: the marginal token must make more than it costs at the step's own rate. On this CPU that
-is p > ~4% at batch 1, ~16% at batch 8 and ~50% at batch 32; on a GPU it keeps everything until
-the cost curve bends. p falls along a chain, so what is kept is a prefix of each chain.
+is p > ~4% at batch 1 and ~40% at batch 8 (bf16); on a GPU it keeps everything until the cost
+curve bends. p falls along a chain, so what is kept is a prefix of each chain.
 
 A proposer that costs next to nothing (a pool, a lookup: under 2% of a step) runs every step and
 the cut decides. One that costs real time (a draft model) runs only while it pays: per batch-size
@@ -58,7 +59,7 @@ import numpy as np
 from vllm_spec_plugins.scorers.tree import DraftTree
 
 from .base import Proposer, StepContext
-from .cost import StepCost, batch_bucket, continues
+from .cost import StepCost, batch_bucket, continues, step_features
 
 #: depth index of the generic classes (a proposer without classes of its own): min(depth, DEPTHS) - 1
 DEPTHS = 4
@@ -144,6 +145,7 @@ class Goodput(Proposer):
         self._ids: set = set()                   # request ids of the last step (`continues`)
         self.buckets: dict[int, dict] = {}       # batch bucket -> drafter accounting (EMAs)
         self.steps = 0
+        self.context = 0.0                       # mean context length of last step's decoding rows
         self.sync = None                         # tensor parallel: rank 0's decisions for every rank
         # expected: accepted tokens the kept drafts were predicted to make; accepted: what the
         # target accepted of them (calibration of the acceptance model)
@@ -230,7 +232,7 @@ class Goodput(Proposer):
             return "probe"
         if bucket["on_row_s"] is None or bucket["gain"] is None:
             return "on"
-        fit = self.cost.fit(n) or (0.0, 0.0, 0.0)
+        fit = self.cost.fit(n, self.context) or (0.0, 0.0, 0.0)
         costly = self._costly(bucket, n, fit, optimistic=True)
         if costly is None:
             return "on"
@@ -250,7 +252,7 @@ class Goodput(Proposer):
         verification at the step's rate, p_j > (b + drafter seconds per token) * R. One depth
         more every `explore_every`-th drafting step keeps the next depth measured. A proposer
         that costs next to nothing drafts `budget` (the cut decides)."""
-        fit = self.cost.fit(n)
+        fit = self.cost.fit(n, self.context)
         if fit is None or bucket["on_row_s"] is None or bucket["gain"] is None or not bucket["depth"]:
             return budget
         costly = self._costly(bucket, n, fit)
@@ -281,8 +283,7 @@ class Goodput(Proposer):
         live = [i for i, r in enumerate(ctx.requests) if r.sampled]
         self._ids, timed = continues(self._ids, ctx.requests)
         if self.last_end is not None and timed:
-            self.cost.observe(ctx.tokens_run(), now - self.last_end, any(r.drafts for r in ctx.requests),
-                              len(ctx.requests))
+            self.cost.observe(seconds=now - self.last_end, **step_features(ctx))
         realized = 0
         for i in live:
             r = ctx.requests[i]
@@ -297,6 +298,8 @@ class Goodput(Proposer):
             self._cal = [0.99 * self._cal[0] + realized, 0.99 * self._cal[1] + self._pending]
             self._pending = None
         budget, n = ctx.budget(self.k), len(live)
+        if n:   # mean context of the decoding rows: what one more query token attends to
+            self.context = sum(len(ctx.requests[i].token_ids) for i in live) / n
         bucket = self._bucket(batch_bucket(n)) if n else None
         if self._probe is not None:          # the probe's second step: its rows, if still here
             second = [i for i in live if ctx.requests[i].req_id in self._probe]
@@ -348,7 +351,7 @@ class Goodput(Proposer):
         st = self.goodput_stats
         st["steps"] += 1
         if mode == "probe":                  # a probe's seconds: both its steps, their jumps and scans
-            fit = self.cost.fit(n)
+            fit = self.cost.fit(n, self.context)
             self._probe_s = (self._probe_s if self._probe is not None else 0.0) + draft_s + once \
                 + (fit[2] if fit else 0.0)
             if self._probe is not None:
@@ -413,7 +416,7 @@ class Goodput(Proposer):
         self._reach = (reach[:depth] / max(rows, 1)).tolist()   # mean chance per depth (`_depth`)
         if not cand:
             return keep
-        a, b, jump = self.cost.fit(n) or (1.0, 0.0, 0.0)    # nothing measured: keep all
+        a, b, jump = self.cost.fit(n, self.context) or (1.0, 0.0, 0.0)    # nothing measured: keep all
         # p falls along a chain (rates <= 1) and ties go to the shallower token: each row's
         # tokens come in chain order, so what is kept is a prefix of every chain.
         cand.sort(key=lambda x: (-x[0], x[1]))
@@ -440,7 +443,7 @@ class Goodput(Proposer):
     def goodput_state(self) -> dict:
         """The cost fit, the learned global rates per class, and the drafter accounting."""
         w = self.cost.coef()
-        return {"cost_a_b_c0_c1_e_s": None if w is None else [float(x) for x in w],
+        return {"cost_a_b_p_c0_c1_e_s": None if w is None else [float(x) for x in w],
                 "rates": [round(x, 4) for x in self.accept.global_rate().tolist()],
                 "tries": [round(x, 1) for x in self.accept.tries.tolist()],
                 "buckets": {str(k): dict(v) for k, v in sorted(self.buckets.items())},

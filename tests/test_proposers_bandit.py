@@ -69,7 +69,7 @@ def test_rate_prices_past_pulls_with_the_cost_model_of_now():
     for _ in range(3):
         b.step(0, {0: 1.7, 1: 1.45}, 0.036, x_tree)
         b.step(1, {1: 1.45}, 0.034, x_chain)
-    for w in ([0.0, 0.0001, 0.0, 0.0], [0.029, 0.0017, 0.0003, 0.0], [0.01, 0.005, 0.002, 0.001]):
+    for w in ([0.0, 0.0001, 0.0, 0.0, 0.0], [0.029, 0.0017, 0.0, 0.0003, 0.0], [0.01, 0.005, 0.0, 0.002, 0.001]):
         price = [sum(c * v for c, v in zip(w, x)) for x in (x_tree, x_chain)]
         assert b.rate(0, price, w) == pytest.approx(1.7 / 0.036)
         assert b.rate(1, price, w) == pytest.approx(1.45 / 0.034)

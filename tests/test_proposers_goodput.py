@@ -101,13 +101,41 @@ def test_step_cost_prices_context_apart_from_tokens():
         c.observe(t, s, bool(drafts), rows, kv)
         flat.observe(t, s, bool(drafts), rows)
     a, b, _ = c.fit(8)
-    assert b == pytest.approx(0.0004, rel=0.15) and c.weights()[4] == pytest.approx(0.0005, rel=0.1)
+    assert b == pytest.approx(0.0004, rel=0.15) and c.weights()[5] == pytest.approx(0.0005, rel=0.1)
     _, b_long, _ = c.fit(8, context=1500)
     assert b_long == pytest.approx(0.0004 + 0.0005 * 1.5, rel=0.1)
     for ctx in (200, 1500):   # 8 rows, 2 drafts each, at either context
         want = 0.015 + 0.0004 * 24 + 0.0005 * 24 * ctx / KV_UNIT + 0.0003 * 8
         assert c.predict(24, True, 8, 24 * ctx / KV_UNIT) == pytest.approx(want, rel=0.05)
         assert abs(flat.predict(24, True, 8) - want) > 0.1 * want          # one price for both: wrong for each
+
+
+def test_step_cost_prices_prefill_tokens_apart_from_verified_ones():
+    """Under continuous traffic some steps also prefill a new prompt, whose tokens cost less
+    each than a verified draft (one large matrix product: ~0.6 against ~1.2 ms at batch 8 here).
+    `step_features` counts them apart, and the fit recovers the price of a verified draft and a
+    zero jump. Priced alike (the same steps, prefill counted as verified tokens), the draft's
+    price falls towards a prefill token's and a per-row jump makes up the difference: a few
+    drafts then look dear and many look cheap."""
+    from vllm_spec_plugins.proposers.cost import step_features
+    rng = np.random.default_rng(3)
+    c, alike = StepCost(), StepCost()
+    for i in range(800):
+        rows = int(rng.integers(1, 9))
+        drafts = [int(rng.integers(0, 4)) if rng.random() < 0.7 else 0 for _ in range(rows)]
+        prefill = int(rng.integers(50, 400)) if rng.random() < 0.2 else 0
+        reqs = [RequestStep(f"r{j}", np.zeros(100, np.int64), [1] * (1 + d), [2] * d) for j, d in enumerate(drafts)]
+        ctx = StepContext(reqs, num_scheduled_tokens=rows + sum(drafts) + prefill)
+        f = step_features(ctx)
+        assert f["prefill"] == prefill and f["tokens"] == rows + sum(drafts) + prefill
+        s = 0.015 + 0.0012 * (rows + sum(drafts)) + 0.0006 * prefill + rng.normal(0, 0.0003)
+        c.observe(seconds=s, **f)
+        alike.observe(f["tokens"], s, f["drafts"], rows)
+    a, b, jump = c.fit(8)
+    assert a == pytest.approx(0.015, rel=0.1) and b == pytest.approx(0.0012, rel=0.1) and jump < 2e-4
+    assert c.weights()[2] == pytest.approx(0.0006, rel=0.1)
+    _, b_alike, jump_alike = alike.fit(8)
+    assert b_alike < 0.8 * 0.0012 and jump_alike > 1e-3       # the confounded fit this replaces
 
 
 def test_idle_time_between_requests_prices_nothing():

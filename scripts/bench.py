@@ -533,6 +533,8 @@ def summarize(res: dict, plain: dict, greedy: bool) -> dict:
                                  "generated_tokens", "seconds")}
         if "steps" in g:            # --lockstep: engine steps, for the mean seconds of one
             row["engine_steps"] = g["steps"]
+        if "goodput" in g:          # goodput's cost fit, buckets and counters at the category's end
+            row["goodput"] = g["goodput"]
         row["speedup_vs_plain"] = g["tokens_per_s"] / p["tokens_per_s"] if p["tokens_per_s"] else 0.0
         row["acceptance_per_position"] = [a / drafts for a in g["accepted_per_pos"]] if drafts else []
         row["acceptance_rate"] = g["accepted"] / g["draft_tokens"] if g["draft_tokens"] else 0.0
@@ -835,6 +837,7 @@ def conditions(args) -> list[str]:
 def measure(args, configs: dict, groups: dict, base: dict, env: dict, tqdm) -> tuple[dict, dict]:
     """(results, raw) of every config over `groups` with the engine settings in `base`: each
     config in its own process (or all up at once with --interleave), plain first and last."""
+    from vllm_spec_plugins.config import is_plugin_config
     from vllm_spec_plugins.tools.runner import run_isolated
     greedy = args.temperature == 0.0
     raw = {}
@@ -842,7 +845,8 @@ def measure(args, configs: dict, groups: dict, base: dict, env: dict, tqdm) -> t
                                                    else [("plain (again)", None)])
     speeds: dict[str, dict[str, list[float]]] = {}
     def job(spec):
-        return {**base, "speculative_config": spec, "report_plugin_state": is_bandit(spec),
+        # our methods report their state: bandit tables, goodput's cost fit per category
+        return {**base, "speculative_config": spec, "report_plugin_state": is_plugin_config(spec),
                 "report_plugin_stats": wants_stats(spec)}
     if args.lockstep:
         if args.repeats > 1 or args.interleave:

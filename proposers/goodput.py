@@ -7,8 +7,8 @@ verification adds. Both are measured, apart:
   (the engine's scheduling, the target's pass, sampling), fitted online as a + b * Q + p * P +
   a jump for any step that verifies drafts + e * the context read, Q the decoding rows' query
   tokens (1 + drafts each), P the prefill tokens. b + e * context is the price of one more
-  verified token: ~1.2 ms on a ~24 ms batch-8 step here (2 CPU cores, bf16), near 0 on a GPU's
-  flat part.
+  verified token: ~0.8-1.2 ms on a ~24 ms batch-8 step here (2 CPU cores, bf16), near 0 on a
+  GPU's flat part.
 * acceptance (`AcceptModel`): each draft token carries a class from its proposer (where it came
   from, its depth, the drafter's confidence). The chance that a token is accepted once its
   parent was is learned per class from the verified drafts: over all requests (decayed counts

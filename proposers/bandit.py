@@ -45,7 +45,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, replace
 
 from .base import BuildEnv, MethodConfig, Proposer, RequestStep, StepContext, check_prompt_lookup, key
-from .cost import StepCost, batch_bucket, continues, step_features
+from .cost import StepCost, batch_bucket, continues, mean_context, step_features
 from .lookahead import SHARED_POOL_HELP, LookaheadConfig, LookaheadProposer, _select, shaped_tree
 
 logger = logging.getLogger("vllm_spec_plugins")
@@ -424,7 +424,7 @@ class BanditTreeProposer(Proposer):
         bucket = batch_bucket(len(live))
         keys = sorted({self.key_of(r) for r in live})
         if live:
-            self.context = sum(len(r.token_ids) for r in live) / len(live)
+            self.context = mean_context(live)
         price = self.price(len(live))
         # a step without drafts now and then keeps the cost fit's jump measured
         plain = self.none_arm is not None and self.cost.n > 0 and self.cost.plain_weight < 0.5

@@ -27,6 +27,12 @@ def attended(requests) -> float:
     return sum((1 + len(r.drafts)) * len(r.token_ids) for r in requests if r.sampled) / KV_UNIT
 
 
+def mean_context(rows) -> float:
+    """Mean context length of decoding rows `rows` (non-empty): what one more query token attends
+    to, `StepCost.fit`'s `context`."""
+    return sum(len(r.token_ids) for r in rows) / len(rows)
+
+
 def step_features(ctx) -> dict:
     """The cost features of the step that just finished (`ctx`), as `StepCost.observe`,
     `predict` and `features` take them: tokens run, whether it verified drafts, rows, attention

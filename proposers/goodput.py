@@ -59,7 +59,7 @@ import numpy as np
 from vllm_spec_plugins.scorers.tree import DraftTree
 
 from .base import Proposer, StepContext
-from .cost import StepCost, batch_bucket, continues, step_features
+from .cost import StepCost, batch_bucket, continues, mean_context, step_features
 
 #: depth index of the generic classes (a proposer without classes of its own): min(depth, DEPTHS) - 1
 DEPTHS = 4
@@ -298,8 +298,8 @@ class Goodput(Proposer):
             self._cal = [0.99 * self._cal[0] + realized, 0.99 * self._cal[1] + self._pending]
             self._pending = None
         budget, n = ctx.budget(self.k), len(live)
-        if n:   # mean context of the decoding rows: what one more query token attends to
-            self.context = sum(len(ctx.requests[i].token_ids) for i in live) / n
+        if n:
+            self.context = mean_context([ctx.requests[i] for i in live])
         bucket = self._bucket(batch_bucket(n)) if n else None
         if self._probe is not None:          # the probe's second step: its rows, if still here
             second = [i for i in live if ctx.requests[i].req_id in self._probe]

@@ -836,7 +836,8 @@ def conditions(args) -> list[str]:
 
 def measure(args, configs: dict, groups: dict, base: dict, env: dict, tqdm) -> tuple[dict, dict]:
     """(results, raw) of every config over `groups` with the engine settings in `base`: each
-    config in its own process (or all up at once with --interleave), plain first and last."""
+    config in its own process, plain first and last (or all up at once with --interleave or
+    --lockstep)."""
     from vllm_spec_plugins.config import is_plugin_config
     from vllm_spec_plugins.tools.runner import run_isolated
     greedy = args.temperature == 0.0

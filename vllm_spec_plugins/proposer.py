@@ -284,6 +284,14 @@ def plugin_stats(worker) -> dict:
     return {} if impl is None else {k: list(v) if isinstance(v, list) else v for k, v in impl.counters().items()}
 
 
+def plugin_goodput(worker) -> dict | None:
+    """For `LLM.collective_rpc`: goodput's cost fit, rates and counters (`Goodput.goodput_state`),
+    or None when the proposer has no goodput."""
+    impl = _impl(worker)
+    state = getattr(impl, "goodput_state", None)
+    return None if state is None else state()
+
+
 def plugin_steps(worker) -> int:
     """For `LLM.collective_rpc`: steps our proposer has taken in this worker (0 if none)."""
     impl = _impl(worker)

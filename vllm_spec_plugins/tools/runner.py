@@ -191,8 +191,8 @@ class _Engine:
                          "prompt_token_ids": prompts, "seconds": dt,
                          "generated_tokens": sum(len(c) for t in token_ids for c in t), **m})
         if job.get("report_plugin_state"):      # goodput's cost fit and counters at the group's end
-            from vllm_spec_plugins.proposer import plugin_state_summary
-            gp = llm.collective_rpc(plugin_state_summary)[0].get("goodput")
+            from vllm_spec_plugins.proposer import plugin_goodput
+            gp = llm.collective_rpc(plugin_goodput)[0]
             if gp is not None:
                 g["goodput"] = {k: v for k, v in gp.items() if k != "tries"}
         if job.get("report_plugin_stats"):      # the proposer's own counters over this group

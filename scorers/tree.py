@@ -240,9 +240,13 @@ def coupled_accept(tree: DraftTree, sample: Callable[[int], int]) -> AcceptResul
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim (first maximum, as torch.argmax), in fp32: exact for bf16/fp16
-    logits and ~4x faster than their own argmax on CPU."""
-    return (logits if logits.dtype == torch.float32 else logits.float()).argmax(-1)
+    """argmax over the last dim (the first maximum, NaN above all, as torch.argmax), in fp32:
+    exact for bf16/fp16 logits. On CPU through numpy, whose argmax is vectorised: ~0.05 against
+    ~0.5 ms for 16 rows of a 49k vocabulary, paid by every step that verifies drafts."""
+    x = (logits if logits.dtype == torch.float32 else logits.float()).detach()
+    if x.device.type != "cpu":
+        return x.argmax(-1)
+    return torch.from_numpy(np.ascontiguousarray(x.numpy()).argmax(-1))
 
 
 def greedy_accept(tree: DraftTree, target_logits: torch.Tensor | list[int]) -> AcceptResult:
@@ -351,7 +355,7 @@ def verify_batch(trees: Sequence[DraftTree], target_logits: torch.Tensor,
         raise ValueError(f"{len(trees)} trees but {temps.numel()} temperatures")
     greedy = (temps < _SAMPLING_EPS).tolist()
     logits = target_logits.detach().float().cpu()
-    argmax = logits.argmax(-1).tolist() if any(greedy) else None
+    argmax = row_argmax(logits).tolist() if any(greedy) else None
     probs = None
     if not all(greedy):
         row_t = torch.repeat_interleave(torch.where(temps < _SAMPLING_EPS, 1.0, temps), torch.tensor(sizes))

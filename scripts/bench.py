@@ -524,6 +524,13 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def mean_request_s(group: dict) -> float:
+    """Mean of a prompt set's request latencies (`request_seconds`: all its requests arrive at
+    once; each is done at the step that finished it). Beside tokens/s, which is set by when the
+    last request finishes: at batch > 1 the two differ (see docs/benchmarks.md)."""
+    return sum(group["request_seconds"]) / len(group["request_seconds"])
+
+
 def summarize(res: dict, plain: dict, greedy: bool) -> dict:
     out = {}
     for cat, g in res["groups"].items():
@@ -536,6 +543,10 @@ def summarize(res: dict, plain: dict, greedy: bool) -> dict:
         if "goodput" in g:          # goodput's cost fit, buckets and counters at the category's end
             row["goodput"] = g["goodput"]
         row["speedup_vs_plain"] = g["tokens_per_s"] / p["tokens_per_s"] if p["tokens_per_s"] else 0.0
+        if g.get("request_seconds") and p.get("request_seconds"):
+            # --lockstep: mean request latency (arrival to finish), and plain's over it (> 1: sooner)
+            row["mean_request_s"] = mean_request_s(g)
+            row["latency_vs_plain"] = mean_request_s(p) / row["mean_request_s"]
         row["acceptance_per_position"] = [a / drafts for a in g["accepted_per_pos"]] if drafts else []
         row["acceptance_rate"] = g["accepted"] / g["draft_tokens"] if g["draft_tokens"] else 0.0
         if greedy:
@@ -592,7 +603,8 @@ def print_table(results, cats):
             ident = r.get("identical_to_plain")
             ident = "-" if ident is None else (
                 "yes" if ident else "no (" + ",".join(m["kind"] for m in r.get("mismatch_analysis", [])) + ")")
-            print(f"| {name} | {cat} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x | "
+            lat = f" (latency {r['latency_vs_plain']:.2f}x)" if "latency_vs_plain" in r else ""
+            print(f"| {name} | {cat} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x{lat} | "
                   f"{r['tau']:.2f} | {r['acceptance_rate']:.2f} | {pp} | {ident} |")
 
 
@@ -884,6 +896,10 @@ def measure(args, configs: dict, groups: dict, base: dict, env: dict, tqdm) -> t
             a, b = g["tokens_per_s"], again["groups"][cat]["tokens_per_s"]
             plain_runs[cat] = [a, b]
             g["tokens_per_s"] = (a + b) / 2
+            if g.get("request_seconds") and again["groups"][cat].get("request_seconds"):
+                # the two plain runs' latencies, request by request: each method is compared with both
+                g["request_seconds"] = [(x + y) / 2 for x, y in
+                                        zip(g["request_seconds"], again["groups"][cat]["request_seconds"])]
     results = {name: summarize(r, raw["plain"], greedy) for name, r in raw.items()}
     for name, r in raw.items():
         for cat, g in r["groups"].items():

@@ -325,6 +325,25 @@ def _method_cell(spec) -> str:
     return f"`{json.dumps(spec, sort_keys=False)}`"
 
 
+def _latency_table(results: dict, cats: list) -> list[str]:
+    """Mean request latency against plain's, where the run measured it (--lockstep)."""
+    if not any("latency_vs_plain" in (rows.get(c) or {}) for rows in results.values() for c in cats):
+        return []
+    lines = ["", "Mean request latency, plain's over the method's (above 1.00x: requests finish sooner; "
+             "all of a category's requests arrive at once, each is done at the step that finishes it; "
+             "tokens/s above is set by the last one):", "",
+             "| method | " + " | ".join(f"{c}: latency x plain (mean s)" for c in cats) + " |",
+             "|" + "---|" * (1 + len(cats))]
+    for method, rows in results.items():
+        cells = [f"`{method}`"]
+        for c in cats:
+            r = rows.get(c) or {}
+            lat = r.get("latency_vs_plain")
+            cells.append(f"{lat:.2f}x ({r['mean_request_s']:.2f})" if lat is not None else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def render_result(name: str, out: dict, plot: str | None = None) -> str:
     """One result JSON of scripts/bench.py as a markdown section."""
     results, cfg = out.get("results"), out.get("config") or {}
@@ -366,6 +385,7 @@ def render_result(name: str, out: dict, plot: str | None = None) -> str:
             cells += [speed, f"{r.get('tau', 0):.2f}"]
         cells.append(_output_vs_plain(rows, cats) if method != "plain" else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _latency_table(results, cats)
     specs = cfg.get("method_configs") or {}
     if specs:
         lines += ["", "Methods as run:", ""]

@@ -177,6 +177,22 @@ def test_conditions_and_side_by_side_rows(capsys):
     assert "| suffix | 0.90x, 1.50 | 1.10x, 1.70 |" in out
 
 
+def test_request_latency_beside_tokens_per_s():
+    """Lockstep groups carry each request's latency: summarised as the mean against plain's; a
+    method whose last request finishes later (tokens/s below plain) can still finish the others
+    sooner, and the two figures say so apart."""
+    def group(tps, lat):
+        return {"tokens_per_s": tps, "tau": 1.0, "drafts": 1, "draft_tokens": 1, "accepted": 0,
+                "generated_tokens": 8, "seconds": max(lat), "accepted_per_pos": [0], "request_seconds": lat}
+    plain = {"groups": {"chat": group(10.0, [2.0, 4.0])}}
+    method = {"groups": {"chat": group(9.0, [1.0, 4.4])}}
+    row = bench.summarize(method, plain, greedy=False)["chat"]
+    assert row["speedup_vs_plain"] == pytest.approx(0.9)
+    assert row["mean_request_s"] == pytest.approx(2.7) and row["latency_vs_plain"] == pytest.approx(3.0 / 2.7)
+    del plain["groups"]["chat"]["request_seconds"]           # not measured (not --lockstep): no figure
+    assert "latency_vs_plain" not in bench.summarize(method, plain, greedy=False)["chat"]
+
+
 # ------------------------------------------------------------------ prompts
 def _args(*argv):
     return bench.parse_args(list(argv))

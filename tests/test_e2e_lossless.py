@@ -131,6 +131,9 @@ def test_engine_process_serves_turns(default_model, heldout_prompts, plain):
     assert fin["plugin_state"][0]["requests"] <= 1
     assert b["steps"] == len(step_s) and b["seconds"] == pytest.approx(sum(step_s))
     assert b["seconds"] < wall - 0.01 * len(step_s)        # the sleeps are not the engine's
+    lat = b["request_seconds"]                 # each request's latency, on the engine's own clock
+    assert len(lat) == len(heldout_prompts) - half and max(lat) == pytest.approx(b["seconds"])
+    assert all(0 < x <= b["seconds"] for x in lat)
 
 
 def test_paused_clock_skips_the_waits():

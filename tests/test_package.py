@@ -174,6 +174,12 @@ def test_benchmarks_page_names_the_host_and_code_version_when_recorded(tmp_path)
     text = gen_docs.render_results(str(tmp_path))
     assert "| `plain` | 1.00x (40.0 tok/s; two engines 39.0 / 41.0) |" in text
     assert "(`--lockstep 1`)" in text and "plain against plain is the noise left" in text
+    assert "Mean request latency" not in text                   # not measured: no table
+    for name, lat in (("plain", 2.0), ("lookahead", 1.6)):
+        res["results"][name]["chat"] |= {"mean_request_s": lat, "latency_vs_plain": 2.0 / lat}
+    (tmp_path / "cold.json").write_text(json.dumps(res))
+    text = gen_docs.render_results(str(tmp_path))
+    assert "| `plain` | 1.00x (2.00) |" in text and "| `lookahead` | 1.25x (1.60) |" in text
 
 
 def test_benchmarks_page_without_results(tmp_path):

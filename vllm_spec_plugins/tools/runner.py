@@ -161,6 +161,7 @@ class _Engine:
         self._ids = [f"{name}-{self._n_started}-{i}" for i in range(len(prompts))]
         self._n_started += 1
         self._prompts, self._outs, self._seconds, self._steps = prompts, {}, 0.0, 0
+        self._finished_s: dict[str, float] = {}      # request id -> the set's seconds when it finished
         for rid, p in zip(self._ids, prompts):
             self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
 
@@ -176,11 +177,14 @@ class _Engine:
         for o in outs:
             if o.finished:
                 self._outs[o.request_id] = o
+                self._finished_s[o.request_id] = self._seconds
         return {"more": eng.has_unfinished_requests(), "s": dt}
 
     def done(self) -> dict:
+        """The set's measurements, with its engine steps and each request's latency: the seconds
+        from the set's start (all its requests arrive at once) to the step that finished it."""
         g = self._end(self._prompts, [self._outs[rid] for rid in self._ids], self._seconds)
-        return g | {"steps": self._steps}
+        return g | {"steps": self._steps, "request_seconds": [self._finished_s[rid] for rid in self._ids]}
 
     def _end(self, prompts: list, outs: list, dt: float) -> dict:
         """A prompt set's measurements: outputs, seconds, vLLM's counters and ours since `_begin`."""

@@ -162,6 +162,7 @@ class Goodput(Proposer):
         self._probe: set | None = None           # request ids of a probe's first step (its second follows)
         self._probe_s = 0.0                      # seconds of the probe under way (both steps, jump included)
         self._warm = False                       # the wrapped proposer has drafted once (its cold call)
+        self._cold_row_s: float | None = None    # seconds per row of that call, its prompt scans included
 
     def release(self, req_id: str) -> None:
         self.inner.release(req_id)
@@ -241,9 +242,23 @@ class Goodput(Proposer):
         off = n / (step + n * (bucket["off_row_s"] or 0.0))
         if on >= off:
             return "on"
-        probe = bucket["probe_s"] or 2 * (min(self.probe_rows, n) * bucket["on_row_s"] + jump)
+        probe = bucket["probe_s"] or self._probe_estimate(n, bucket["on_row_s"], jump)
         gap = min(max(probe / (self.probe_share * step) if step > 0 else 0.0, self.probe_every), 16 * self.probe_every)
         return "probe" if bucket["off_steps"] >= gap else "off"
+
+    def _probe_estimate(self, n: int, on_row_s: float, jump: float) -> float:
+        """A probe's seconds at batch n before one was measured there. A probe drafts for
+        min(probe_rows, n) rows whatever the batch, so one measured at another batch size holds,
+        per row. Else its first step is priced as the cold call's rows were (they too scanned
+        what the drafter had not seen) and its second as a steady step, with a jump each: priced
+        as steady steps alone, the first probe of every batch size came ~16x too soon here (a
+        Mamba drafter at batch 8: a 40-90 ms probe priced at ~5 ms)."""
+        rows = min(self.probe_rows, n)
+        got = [(k, v["probe_s"]) for k, v in self.buckets.items() if v["probe_s"] is not None]
+        if got:
+            k, s = min(got, key=lambda x: abs(x[0].bit_length() - n.bit_length()))
+            return s * rows / min(self.probe_rows, k)
+        return rows * (max(self._cold_row_s or 0.0, on_row_s) + on_row_s) + 2 * jump
 
     def _depth(self, bucket: dict, n: int, budget: int) -> int:
         """Chain length to ask a costly proposer for (a draft model pays for every token it
@@ -374,6 +389,8 @@ class Goodput(Proposer):
                 if self._warm and not resumed and m:     # steady seconds only (see the module doc)
                     row_s = draft_s / m if bucket["on_row_s"] is None else min(draft_s / m, 4 * bucket["on_row_s"])
                     bucket["on_row_s"] = self._ema(bucket["on_row_s"], row_s, w)   # (one stall: bounded)
+                if not self._warm and ran and m:          # the cold call: a first probe is priced like it
+                    self._cold_row_s = (draft_s + once) / m
                 self._warm = self._warm or bool(ran)
                 bucket["depth"] = self._ema(bucket["depth"], max((len(d) for d in drafted), default=0), w)
                 bucket["off_steps"] = 0

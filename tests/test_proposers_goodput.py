@@ -535,8 +535,10 @@ def test_probes_of_a_drafter_that_is_off_pay_for_the_prompts_they_scan():
     """Batch 8 with new requests arriving: a drafter that never pays is off, and each probe
     drafts for rows it has not seen, scanning their prompts first (here 3 steps' worth each).
     Those scans exist only because of the probe: priced as part of it, probes come at most once
-    every 256 steps (`16 * probe_every`), instead of scanning every new request. Scanned: the 8
-    rows of the cold start (it starts on) and two probes' 4 rows each."""
+    every 256 steps (`16 * probe_every`), instead of scanning every new request; the first probe,
+    before any was measured, is priced as the cold start's rows were (they scanned too), not as
+    steady steps. Scanned: the 8 rows of the cold start (it starts on) and one probe's 4 rows
+    (priced as steady steps, the first probe came ~60 steps in and another followed: 16 rows)."""
     target = lcg()
     clock = Clock(target, 10.0, 1.0)
     prompts = {f"r{i}": [7 + i, 3 * i + 1] for i in range(48)}
@@ -554,5 +556,16 @@ def test_probes_of_a_drafter_that_is_off_pay_for_the_prompts_they_scan():
     eng.flush()
     for rid, p in prompts.items():
         assert eng.done[rid].out == refs[tuple(p)][:60]
-    assert len(inner.seen) <= 16 and inner.once_seconds < 0.15 * clock.t, \
+    assert len(inner.seen) <= 12 and inner.once_seconds < 0.1 * clock.t, \
         (inner.once_seconds / clock.t, len(inner.seen), prop.goodput_stats)
+
+
+def test_a_probe_measured_at_one_batch_size_prices_the_first_at_another():
+    """A probe drafts for `probe_rows` rows (fewer in a smaller batch) whatever the batch size:
+    measured at batch 8, it prices the first probe at batch 4 alike and at batch 2 by its rows."""
+    prop = Goodput(ScanningLoser({}, Clock(lcg(), 10.0, 1.0), 1.0, scan=54.0), probe_rows=4)
+    prop._cold_row_s = 3.0
+    assert prop._probe_estimate(8, 1.0, 0.5) == pytest.approx(4 * (3.0 + 1.0) + 1.0)   # none measured
+    prop._bucket(8)["probe_s"] = 20.0
+    assert prop._probe_estimate(4, 1.0, 0.5) == pytest.approx(20.0)
+    assert prop._probe_estimate(2, 1.0, 0.5) == pytest.approx(10.0)

@@ -250,9 +250,9 @@ class Goodput(Proposer):
         """A probe's seconds at batch n before one was measured there. A probe drafts for
         min(probe_rows, n) rows whatever the batch, so one measured at another batch size holds,
         per row. Else its first step is priced as the cold call's rows were (they too scanned
-        what the drafter had not seen) and its second as a steady step, with a jump each: priced
-        as steady steps alone, the first probe of every batch size came ~16x too soon here (a
-        Mamba drafter at batch 8: a 40-90 ms probe priced at ~5 ms)."""
+        what the drafter had not seen) and its second as a steady step, with a jump each. Priced
+        as two steady steps, a first probe would come 8-18x too soon (the Mamba drafter at batch
+        8 here: probes of 40-90 ms against ~5 ms)."""
         rows = min(self.probe_rows, n)
         got = [(k, v["probe_s"]) for k, v in self.buckets.items() if v["probe_s"] is not None]
         if got:

@@ -180,14 +180,18 @@ class Goodput(Proposer):
         if s is None:
             s = {"on_row_s": None, "off_row_s": None, "gain": None, "n": 0, "kept": None,
                  "frac": None, "off_steps": 0, "depth": None, "probe_s": None, "reach": [None] * self.k}
-            near = min((k for k, v in self.buckets.items() if v["gain"] is not None),
-                       key=lambda k: abs(k.bit_length() - b.bit_length()), default=None)
+            near = self._nearest(b, "gain")
             if near is not None:
                 s |= {k: self.buckets[near][k] for k in ("on_row_s", "off_row_s", "gain", "n", "kept",
                                                          "frac", "depth")}
                 s["reach"] = list(self.buckets[near]["reach"])
             self.buckets[b] = s
         return s
+
+    def _nearest(self, b: int, field: str) -> int | None:
+        """The bucket nearest to batch size b (in powers of two) whose `field` is measured, or None."""
+        return min((k for k, v in self.buckets.items() if v[field] is not None),
+                   key=lambda k: abs(k.bit_length() - b.bit_length()), default=None)
 
     #: pseudo-tokens that shrink `calibration` towards 1: the first few drafting steps' luck (a
     #: cold chat request's first tokens all rejected) must not scale every later expectation
@@ -254,10 +258,9 @@ class Goodput(Proposer):
         as two steady steps, a first probe would come 8-18x too soon (the Mamba drafter at batch
         8 here: probes of 40-90 ms against ~5 ms)."""
         rows = min(self.probe_rows, n)
-        got = [(k, v["probe_s"]) for k, v in self.buckets.items() if v["probe_s"] is not None]
-        if got:
-            k, s = min(got, key=lambda x: abs(x[0].bit_length() - n.bit_length()))
-            return s * rows / min(self.probe_rows, k)
+        k = self._nearest(n, "probe_s")
+        if k is not None:
+            return self.buckets[k]["probe_s"] * rows / min(self.probe_rows, k)
         return rows * (max(self._cold_row_s or 0.0, on_row_s) + on_row_s) + 2 * jump
 
     def _depth(self, bucket: dict, n: int, budget: int) -> int:

@@ -538,7 +538,8 @@ def test_probes_of_a_drafter_that_is_off_pay_for_the_prompts_they_scan():
     every 256 steps (`16 * probe_every`), instead of scanning every new request; the first probe,
     before any was measured, is priced as the cold start's rows were (they scanned too), not as
     steady steps. Scanned: the 8 rows of the cold start (it starts on) and one probe's 4 rows
-    (priced as steady steps, the first probe came ~60 steps in and another followed: 16 rows)."""
+    (priced as two steady steps, a first probe would come ~60 steps in and another follow: 16
+    rows)."""
     target = lcg()
     clock = Clock(target, 10.0, 1.0)
     prompts = {f"r{i}": [7 + i, 3 * i + 1] for i in range(48)}

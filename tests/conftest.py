@@ -16,6 +16,8 @@ def pytest_configure(config):
     from vllm_spec_plugins.proposers import testing
     testing.register()
     config.addinivalue_line("markers", "slow: long end-to-end suites (run with -m slow)")
+    config.addinivalue_line("markers", "extended: slow tests that run a path the default or CI suites already "
+                            "run, for another method, batch size or mode (in -m slow; CI leaves them out)")
     config.addinivalue_line("markers", "network: needs PyPI (downloads the newest vLLM source)")
 
 

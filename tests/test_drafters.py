@@ -147,7 +147,7 @@ def test_unrolled_loss_trains(tiny_model, tmp_path):
     assert all(torch.equal(first[k], again[k]) for k in first)
 
 
-@pytest.mark.slow      # the default suite serves the shipped drafter (tests/test_serve.py, eagle YAML)
+@pytest.mark.slow
 def test_export_runs_in_vllm_eagle_lossless(tiny_model, tmp_path):
     """vLLM's own `eagle` method loads an exported drafter (every weight name known to it) and
     its greedy output equals plain vLLM's (float32)."""
@@ -182,7 +182,7 @@ def test_drafter_for_another_tokenizer_is_refused(tiny_model, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.extended), 3])   # k=3 feeds features back
 def test_shipped_drafter_accepts_in_vllm_what_it_accepts_offline(default_model, k):
     """The shipped SmolLM2 drafter inside vLLM's `eagle` (float32): greedy output equals plain
     vLLM's, and vLLM's accepted-token counter equals what the same weights accept when replayed

@@ -61,7 +61,8 @@ def references(tiny_model, tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", ["lookahead", "oracle_tree", "oracle_chain", "bandit_tree", "bandit_tree_mamba",
-                                    "mamba", "cascade", pytest.param("cascade_lookahead", marks=pytest.mark.slow)])
+                                    "mamba", "cascade",
+                                    pytest.param("cascade_lookahead", marks=[pytest.mark.slow, pytest.mark.extended])])
 def test_sampled_follows_target(method, tiny_model, plain, references, tiny_mamba_drafter):
     # goodput off: drafts every step, so the acceptance under test runs all along
     spec = {"lookahead": {"method": "lookahead", "num_speculative_tokens": 3, "goodput": False},
@@ -135,8 +136,8 @@ def plain_seeded(default_model, seeded_prompts):
 
 
 @pytest.mark.parametrize("method", [
-    pytest.param(m, marks=[pytest.mark.slow] if m in ("mamba", "cascade", "cascade_lookahead", "bandit_tree_mamba")
-                 else [])
+    pytest.param(m, marks=[pytest.mark.slow, pytest.mark.extended]
+                 if m in ("mamba", "cascade", "cascade_lookahead", "bandit_tree_mamba") else [])
     for m in SEEDED_SPECS])
 def test_seeded_sampling_equals_plain(method, default_model, seeded_prompts, plain_seeded):
     """Seeded sampled requests (T=0.8, top-p, top-k, each its own seed; greedy ones in the same

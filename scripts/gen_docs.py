@@ -72,8 +72,19 @@ Read a row as: where the price of the drafts a method keeps stays under its tau,
 plain. At batch 1 on AVX-512 a step that verifies up to 8 drafts costs little more than a plain
 step (and not linearly: 1 draft costs more than 2 or 4 there), so every method that drafts
 pays; at batch 8 every row's drafts add up, and only well-accepted ones pay (goodput switches the
-drafter-based methods off there). No result from an AVX2-only host or an AMX host is committed
-yet: there, run the same benchmark with `--draft-cost 0,1,2,4,8` before choosing a method.
+drafter-based methods off there). On a 2-core AVX2-only host (no AVX-512, no AMX; plain bf16
+decodes at ~16 tok/s at batch 1 there), a bf16 step that verifies drafts is dear: a drafting step
+of vLLM's `suffix` cost ~+43 ms for 1.7 drafts on chat against a ~62 ms plain step, and at batch 1
+no method paid in bf16: every one, `suffix` included, ran 0.90x-1.01x plain, the two plain engines
+3.0-4.6% apart ([`fresh_b1_bf16_lockstep_avx2`](#fresh_b1_bf16_lockstep_avx2)). In float32 on
+the same kind of host plain decodes about as fast (15.0 against ~16 tok/s) and verifying 1 / 2 /
+4 / 8 drafts costs 1.02x / 1.29x / 1.29x / 1.54x a plain step
+([`draft_cost_b1_f32_avx2`](#draft_cost_b1_f32_avx2)): at batch 1 `lookahead` ran 1.22x / 1.46x /
+1.79x plain (chat / code / repetitive) and `suffix` 1.25x / 1.47x / 1.91x, the two plain engines
+2-4% apart
+([`fresh_b1_f32_lockstep_avx2`](#fresh_b1_f32_lockstep_avx2)): on an AVX2-only host, serve
+float32. No result from an AMX host is committed yet: on a new host, run the same benchmark with
+`--draft-cost 0,1,2,4,8` before choosing a method.
 
 ## On a GPU: what verification costs
 
@@ -580,7 +591,7 @@ def render_pays(results_dir: str = RESULTS_DIR) -> str:
         rows.append([f"[`{name}`](#{name})", f"{host_class(out)} ({model})",
                      str(cfg.get("dtype")), str(cfg.get("batch_size")), f"{plain:.1f}",
                      " / ".join(f"{price[n]:.2f}x" for n in lengths) + f" (L = {', '.join(map(str, lengths))})",
-                     "; ".join(best)])
+                     "; ".join(best) or "plain only (a price-only run)"])
     if not rows:
         return "No result here measured `--draft-cost` yet."
     head = ["run", "host", "dtype", "batch", "plain tok/s", "verifying L drafts costs (x a plain step)",

@@ -83,8 +83,11 @@ the same kind of host plain decodes about as fast (15.0 against ~16 tok/s) and v
 1.79x plain (chat / code / repetitive) and `suffix` 1.25x / 1.47x / 1.91x, the two plain engines
 2-4% apart
 ([`fresh_b1_f32_lockstep_avx2`](#fresh_b1_f32_lockstep_avx2)): on an AVX2-only host, serve
-float32. No result from an AMX host is committed yet: on a new host, run the same benchmark with
-`--draft-cost 0,1,2,4,8` before choosing a method.
+float32. At batch 8 there chat does not pay (`lookahead` 0.96x, `suffix` 0.95x); code and
+repetitive text do (1.11x / 1.41x, `suffix` 1.10x / 1.46x)
+([`fresh_b8_f32_lockstep_avx2`](#fresh_b8_f32_lockstep_avx2)). No result from an AMX host is
+committed yet: on a new host, run the same benchmark with `--draft-cost 0,1,2,4,8` before
+choosing a method.
 
 ## On a GPU: what verification costs
 

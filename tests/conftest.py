@@ -21,6 +21,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "network: needs PyPI (downloads the newest vLLM source)")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """An extended test is a slow one too, before `-m` selects: `-m slow` runs it, `-m "not slow"`
+    leaves it out."""
+    for item in items:
+        if item.get_closest_marker("extended") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def default_model():
     from vllm_spec_plugins.tools.models import build_default_model

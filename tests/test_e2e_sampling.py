@@ -62,7 +62,7 @@ def references(tiny_model, tmp_path_factory):
 
 @pytest.mark.parametrize("method", ["lookahead", "oracle_tree", "oracle_chain", "bandit_tree", "bandit_tree_mamba",
                                     "mamba", "cascade",
-                                    pytest.param("cascade_lookahead", marks=[pytest.mark.slow, pytest.mark.extended])])
+                                    pytest.param("cascade_lookahead", marks=pytest.mark.extended)])
 def test_sampled_follows_target(method, tiny_model, plain, references, tiny_mamba_drafter):
     # goodput off: drafts every step, so the acceptance under test runs all along
     spec = {"lookahead": {"method": "lookahead", "num_speculative_tokens": 3, "goodput": False},
@@ -136,7 +136,7 @@ def plain_seeded(default_model, seeded_prompts):
 
 
 @pytest.mark.parametrize("method", [
-    pytest.param(m, marks=[pytest.mark.slow, pytest.mark.extended]
+    pytest.param(m, marks=pytest.mark.extended
                  if m in ("mamba", "cascade", "cascade_lookahead", "bandit_tree_mamba") else [])
     for m in SEEDED_SPECS])
 def test_seeded_sampling_equals_plain(method, default_model, seeded_prompts, plain_seeded):

@@ -43,7 +43,7 @@ FAMILIES = {
 
 
 @pytest.mark.parametrize("family", [
-    pytest.param(f, marks=[pytest.mark.slow, pytest.mark.extended] if f == "cascade" else []) for f in FAMILIES])
+    pytest.param(f, marks=pytest.mark.extended if f == "cascade" else []) for f in FAMILIES])
 def test_injected_faults_keep_serving_and_lossless(family, default_model, prompts, plain):
     spec, faults = FAMILIES[family]
     res = run_isolated(_job(default_model, prompts, spec), env={INJECT_FAULT_ENV: faults})

@@ -42,7 +42,7 @@ def _marks(config: str) -> list:
         return []
     if config in ("bandit_tree.yaml", "cascade_smollm2.yaml"):
         return [pytest.mark.slow]
-    return [pytest.mark.slow, pytest.mark.extended]
+    return [pytest.mark.extended]
 
 
 @pytest.mark.parametrize("config", [pytest.param(c, marks=_marks(c)) for c in CONFIGS])

@@ -81,9 +81,8 @@ the same kind of host plain decodes about as fast (15.0 against ~16 tok/s) and v
 4 / 8 drafts costs 1.02x / 1.29x / 1.29x / 1.54x a plain step
 ([`draft_cost_b1_f32_avx2`](#draft_cost_b1_f32_avx2)): at batch 1 `lookahead` ran 1.22x / 1.46x /
 1.79x plain (chat / code / repetitive) and `suffix` 1.25x / 1.47x / 1.91x, the two plain engines
-2-4% apart
-([`fresh_b1_f32_lockstep_avx2`](#fresh_b1_f32_lockstep_avx2)): on an AVX2-only host, serve
-float32. At batch 8 there chat does not pay (`lookahead` 0.96x, `suffix` 0.95x); code and
+2-4% apart ([`fresh_b1_f32_lockstep_avx2`](#fresh_b1_f32_lockstep_avx2)): on an AVX2-only host,
+serve float32. At batch 8 there chat does not pay (`lookahead` 0.96x, `suffix` 0.95x); code and
 repetitive text do (1.11x / 1.41x, `suffix` 1.10x / 1.46x)
 ([`fresh_b8_f32_lockstep_avx2`](#fresh_b8_f32_lockstep_avx2)). No result from an AMX host is
 committed yet: on a new host, run the same benchmark with `--draft-cost 0,1,2,4,8` before

@@ -223,3 +223,28 @@ def test_requests_carry_their_tenant_to_the_worker():
     ta, tb = (r.sampling_params.extra_args[cfg.TENANT_KEY] for r in (a, b))
     assert ta != tb and "tenant-1" not in ta and a.sampling_params.extra_args["category"] == "chat"
     assert cfg.TENANT_KEY not in (c.sampling_params.extra_args or {})
+
+
+def test_bf16_on_a_cpu_without_bf16_units_is_advised_float32(tiny_model, monkeypatch, caplog):
+    """A target in bfloat16 on an x86 CPU without AVX512-BF16/AMX is warned once, through
+    EngineArgs, naming float32; float32, or a CPU with bf16 units, is not."""
+    import logging
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_spec_plugins
+    vllm_spec_plugins.register()
+    assert engine_args.bf16_matmul_units() in (True, False, None)
+
+    def warned(dtype: str, units) -> bool:
+        monkeypatch.setattr(engine_args, "bf16_matmul_units", lambda: units)
+        caplog.clear()
+        ea = EngineArgs(model=tiny_model, dtype=dtype, max_model_len=512, speculative_config={"method": "lookahead"})
+        with caplog.at_level(logging.WARNING, logger="vllm_spec_plugins"):
+            ea.create_engine_config()
+        return any("--dtype float32" in r.getMessage() and "'lookahead'" in r.getMessage() for r in caplog.records)
+
+    assert warned("bfloat16", False)
+    assert not warned("float32", False)
+    assert not warned("bfloat16", True)
+    assert not warned("bfloat16", None)

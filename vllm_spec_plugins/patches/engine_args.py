@@ -1,8 +1,12 @@
-"""Config time: our method names and keys -> vLLM's `custom_class` door, and the checks that refuse
-what is not verified where the engine would run, all before the engine starts."""
+"""Config time: our method names and keys -> vLLM's `custom_class` door, the checks that refuse
+what is not verified where the engine would run, and the advice on a dtype that makes speculation
+lose there, all before the engine starts."""
 from __future__ import annotations
 
 import functools
+import logging
+
+logger = logging.getLogger("vllm_spec_plugins")
 
 SYMBOLS: dict[str, dict[str, tuple[str, ...]]] = {
     "vllm.engine.arg_utils": {
@@ -35,6 +39,7 @@ def apply(set_) -> None:
         if cfg.is_plugin_config(spec):
             vllm_spec, params = cfg.translate(spec, target_model_config)
             refuse_unverified_platform(params["method"], params, target_model_config)
+            advise_dtype(params["method"], target_model_config)
             self.speculative_config = vllm_spec
             self.additional_config = {**(self.additional_config or {}), cfg.ADDITIONAL_KEY: params}
         return orig_create(self, target_model_config, target_parallel_config)
@@ -80,3 +85,39 @@ def unsupported_attention(hf_config) -> str | None:
 
 
 SINK_MODELS = ("gpt_oss",)
+
+
+def advise_dtype(method: str, target_model_config) -> bool:
+    """Before the engine starts: warn when the target runs in bfloat16 on an x86 CPU without
+    AVX512-BF16 or AMX. bf16 matrix products have no hardware support there: a step that verifies
+    drafts costs several plain steps and speculation loses, while in float32 verification costs
+    little more than a plain step and it pays (docs/benchmarks.md, "When speculation pays on a
+    CPU"). A warning, not a switch: float32 doubles the weights' memory, the user's choice. True
+    if warned."""
+    import torch
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu() or getattr(target_model_config, "dtype", None) != torch.bfloat16:
+        return False
+    if bf16_matmul_units() is not False:
+        return False
+    logger.warning(
+        "speculative method %r runs in bfloat16 on a CPU without AVX512-BF16 or AMX: a step that "
+        "verifies drafts costs several plain steps here, and speculation is unlikely to pay. Serve "
+        "with --dtype float32 (twice the weights' memory), where verifying drafts costs little more "
+        "than a plain step (vllm-spec-plugins' docs/benchmarks.md, 'When speculation pays on a CPU').",
+        method)
+    return True
+
+
+def bf16_matmul_units() -> bool | None:
+    """Whether this x86 CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), as vLLM's CPU backend
+    asks torch; None on other architectures or where torch cannot tell."""
+    import platform
+
+    import torch
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if not all(callable(p) for p in probes):
+        return None
+    return any(p() for p in probes)

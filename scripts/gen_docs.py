@@ -77,14 +77,20 @@ decodes at ~16 tok/s at batch 1 there), a bf16 step that verifies drafts is dear
 of vLLM's `suffix` cost ~+43 ms for 1.7 drafts on chat against a ~62 ms plain step, and at batch 1
 no method paid in bf16: every one, `suffix` included, ran 0.90x-1.01x plain, the two plain engines
 3.0-4.6% apart ([`fresh_b1_bf16_lockstep_avx2`](#fresh_b1_bf16_lockstep_avx2)). In float32 on
-the same kind of host plain decodes about as fast (15.0 against ~16 tok/s) and verifying 1 / 2 /
-4 / 8 drafts costs 1.02x / 1.29x / 1.29x / 1.54x a plain step
-([`draft_cost_b1_f32_avx2`](#draft_cost_b1_f32_avx2)): at batch 1 `lookahead` ran 1.22x / 1.46x /
-1.79x plain (chat / code / repetitive) and `suffix` 1.25x / 1.47x / 1.91x, the two plain engines
-2-4% apart ([`fresh_b1_f32_lockstep_avx2`](#fresh_b1_f32_lockstep_avx2)): on an AVX2-only host,
-serve float32. At batch 8 there chat does not pay (`lookahead` 0.96x, `suffix` 0.95x); code and
-repetitive text do (1.11x / 1.41x, `suffix` 1.10x / 1.46x)
-([`fresh_b8_f32_lockstep_avx2`](#fresh_b8_f32_lockstep_avx2)). No result from an AMX host is
+the same kind of host plain decodes nearly as fast as in bf16 and verifying 1 / 2 / 4 / 8 drafts
+costs 1.02x / 1.29x / 1.29x / 1.54x a plain step ([`draft_cost_b1_f32_avx2`](#draft_cost_b1_f32_avx2)).
+There, at batch 1, with all seven methods in one run and the two plain engines 0.4-2.9% apart
+([`fresh_b1_f32_lockstep_avx2`](#fresh_b1_f32_lockstep_avx2)), every method but vLLM's `ngram`
+paid on chat / code / repetitive text: `lookahead` 1.21x / 1.33x / 1.67x plain, `suffix` 1.20x /
+1.33x / 1.80x, `bandit_tree` 1.14x / 1.26x / 1.56x, `cascade` 1.07x / 1.14x / 1.29x, `mamba`
+1.05x / 1.04x / 0.98x, `ngram` 0.92x / 1.00x / 1.27x. On an AVX2-only host, serve float32 (the
+plugin warns at start-up when a bf16 target meets a CPU without AVX512-BF16 or AMX). At batch 8
+there, the two plain engines 1-6% apart ([`fresh_b8_f32_lockstep_avx2`](#fresh_b8_f32_lockstep_avx2)),
+chat pays for no method (`lookahead` 0.96x, `suffix` 0.92x), code and repetitive text pay for the
+model-free ones (`lookahead` 1.05x / 1.23x, `suffix` 1.04x / 1.29x, `bandit_tree` 0.99x / 1.10x),
+and the drafter methods draft next to nothing yet cost something: `cascade` drafted no token on
+code or repetitive text and ran 0.97x, `mamba` 0.89x-0.95x at tau 1.00-1.03 (a cold server's
+first drafting steps and the drafter's probes while off). No result from an AMX host is
 committed yet: on a new host, run the same benchmark with `--draft-cost 0,1,2,4,8` before
 choosing a method.
 

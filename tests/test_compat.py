@@ -226,7 +226,7 @@ def test_requests_carry_their_tenant_to_the_worker():
 
 
 def test_bf16_on_a_cpu_without_bf16_units_is_advised_float32(tiny_model, monkeypatch, caplog):
-    """A target in bfloat16 on an x86 CPU without AVX512-BF16/AMX is warned once, through
+    """A target in bfloat16 on an x86 CPU without AVX512-BF16/AMX is warned, through
     EngineArgs, naming float32; float32, or a CPU with bf16 units, is not."""
     import logging
 

@@ -92,11 +92,10 @@ def advise_dtype(method: str, target_model_config) -> bool:
     AVX512-BF16 or AMX. bf16 matrix products have no hardware support there: a step that verifies
     drafts costs several plain steps and speculation loses, while in float32 verification costs
     little more than a plain step and it pays (docs/benchmarks.md, "When speculation pays on a
-    CPU"). A warning, not a switch: float32 doubles the weights' memory, the user's choice. True
-    if warned."""
+    CPU"). A warning, not a switch: float32 doubles the weights' memory, the user's choice. Called
+    after `refuse_unverified_platform`, so on vLLM's CPU backend. True if warned."""
     import torch
-    from vllm.platforms import current_platform
-    if not current_platform.is_cpu() or getattr(target_model_config, "dtype", None) != torch.bfloat16:
+    if target_model_config.dtype != torch.bfloat16:
         return False
     if bf16_matmul_units() is not False:
         return False

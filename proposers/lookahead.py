@@ -197,7 +197,7 @@ SHARED_POOL_HELP = ("contexts kept in the n-gram table shared by all requests (e
 @dataclass
 class LookaheadConfig(MethodConfig):
     method = "lookahead"
-    num_speculative_tokens: int = key(6, 1, 64, "max draft chain length (k)")
+    num_speculative_tokens: int = key(16, 1, 64, "max draft chain length (k; goodput keeps what pays)")
     window: int = key(0, 0, 64, "Jacobi window W (guess positions; 0 = num_speculative_tokens)")
     ngram: int = key(4, 2, 16, "n-gram size N (lookahead levels + 1)")
     guesses: int = key(7, 1, 64, "G: max n-gram candidates kept per key token")

@@ -37,7 +37,7 @@ DEFAULT_CONFIGS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     # vLLM's suffix decoding (arctic-inference's suffix tree, built by scripts/setup.sh), its defaults
     "suffix": {"method": "suffix"},
-    "lookahead": {"method": "lookahead", "num_speculative_tokens": 6},
+    "lookahead": {"method": "lookahead", "num_speculative_tokens": 16},
     "lookahead_tree": {"method": "lookahead", "num_speculative_tokens": 8, "window": 6, "ngram": 4, "tree": True},
     "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 16},
     # vLLM's own draft_model with the target's first 6 layers (no training: a baseline);

@@ -408,7 +408,7 @@ def test_served_defaults_are_the_config_defaults():
     from vllm_spec_plugins.config import validate
     assert validate({"method": "lookahead"}) == LookaheadConfig()
     p = LookaheadProposer(LookaheadConfig())
-    assert (p.k, p.window, p.ngram, p.guesses, p.shared.cap) == (6, 6, 4, 7, 65536)
+    assert (p.k, p.window, p.ngram, p.guesses, p.shared.cap) == (16, 16, 4, 7, 65536)
 
 
 # ---------------------------------------------------------------------------------------------

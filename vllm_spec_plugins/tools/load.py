@@ -28,7 +28,7 @@ METHODS = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     # as the serving drop-ins in configs/ (goodput on: the default)
-    "lookahead": {"method": "lookahead", "num_speculative_tokens": 6},
+    "lookahead": {"method": "lookahead", "num_speculative_tokens": 16},
     "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 16},
     "mamba": {"method": "mamba", "num_speculative_tokens": 4,
               "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},

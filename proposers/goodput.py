@@ -397,7 +397,7 @@ class Goodput(Proposer):
                 self._warm = self._warm or bool(ran)
                 bucket["depth"] = self._ema(bucket["depth"], max((len(d) for d in drafted), default=0), w)
                 bucket["off_steps"] = 0
-                if not self._blind and m:                # the first step keeps all, blind: models only
+                if not self._blind and m:                # the first step keeps blind: models only
                     bucket["n"] += 1
                     g = self._last_gain / m
                     bucket["gain"] = self._ema(bucket["gain"], g, w, bucket["n"])
@@ -413,11 +413,21 @@ class Goodput(Proposer):
         """Tokens kept per row of `ctx` (all of a batch of `n` live requests, or a probe's few):
         best p first, while p > b * R of the whole batch's step; nothing at all when the kept
         tokens do not cover the step's jump. Sets `_last_gain` (accepted tokens the kept drafts
-        are expected to make), `_threshold` (b * R at the cut) and `_blind` (no cost measured
-        yet: everything kept)."""
+        are expected to make), `_threshold` (b * R at the cut) and `_blind` (no step measured
+        yet: one row's chain kept whole)."""
         self._last_gain, self._threshold, self._forced, self._reach = 0.0, 0.0, False, []
         self._blind = self.cost.n == 0
         keep = [0] * len(drafts)
+        if self._blind:
+            # A cold server's first decode step: one row's whole chain measures every depth's
+            # class at once (classes are shared by all rows) and what a draft costs; the next
+            # step verifies none (`needs_plain`). Every row's whole chain would cost a cold batch
+            # of 8 a step of ~5x a plain one here (128 drafts) for the same measurement.
+            i = next((i for i, (req, d) in enumerate(zip(ctx.requests, drafts))
+                      if len(d) and req.tree_ok and not isinstance(d, DraftTree)), None)
+            if i is not None:
+                keep[i] = len(drafts[i])
+            return keep
         if self.cost.needs_plain():
             self._forced = True    # a step without drafts now and then: keeps the jump measured
             return keep
@@ -436,7 +446,7 @@ class Goodput(Proposer):
         self._reach = (reach[:depth] / max(rows, 1)).tolist()   # mean chance per depth (`_depth`)
         if not cand:
             return keep
-        a, b, jump = self.cost.fit(n, self.context) or (1.0, 0.0, 0.0)    # nothing measured: keep all
+        a, b, jump = self.cost.fit(n, self.context)
         # p falls along a chain (rates <= 1) and ties go to the shallower token: each row's
         # tokens come in chain order, so what is kept is a prefix of every chain.
         cand.sort(key=lambda x: (-x[0], x[1]))

@@ -91,12 +91,15 @@ and 0.95x / 1.03x / 1.36x against 0.96x / 1.09x / 1.43x at batch 8, 2-3% behind 
 there ([`fresh_b8_f32_lookahead_k16_lockstep_avx2`](#fresh_b8_f32_lookahead_k16_lockstep_avx2)).
 On an AVX2-only host, serve float32 (the
 plugin warns at start-up when a bf16 target meets a CPU without AVX512-BF16 or AMX). At batch 8
-there, the two plain engines 1-6% apart ([`fresh_b8_f32_lockstep_avx2`](#fresh_b8_f32_lockstep_avx2)),
-chat pays for no method (`lookahead` 0.96x, `suffix` 0.92x), code and repetitive text pay for the
-model-free ones (`lookahead` 1.05x / 1.23x, `suffix` 1.04x / 1.29x, `bandit_tree` 0.99x / 1.10x),
-and the drafter methods draft next to nothing yet cost something: `cascade` drafted no token on
-code or repetitive text and ran 0.97x, `mamba` 0.89x-0.95x at tau 1.00-1.03 (a cold server's
-first drafting steps and the drafter's probes while off). No result from an AMX host is
+there, with all seven methods at their served defaults and the two plain engines 1.5-2.8% apart
+([`fresh_b8_f32_lockstep_avx2`](#fresh_b8_f32_lockstep_avx2)), chat pays for no method in
+tokens/s (`lookahead` 0.92x, `suffix` 0.90x), code and repetitive text pay for the model-free
+ones (`lookahead` 1.13x / 1.39x, `suffix` 1.08x / 1.47x, `bandit_tree` 1.06x / 1.09x), and the
+drafter methods draft next to nothing and run 0.93x-0.98x (`cascade` drafted no token on code,
+`mamba` ran at tau 1.00). A set's tokens/s is set by its last request: `lookahead`'s requests
+finished sooner on average in every category there (mean latency 1.02x / 1.27x / 1.34x plain's),
+chat included, but a token accepted for a request that finishes before the set's last one does
+not bring the set's end forward, and every drafting step costs the whole batch. No result from an AMX host is
 committed yet: on a new host, run the same benchmark with `--draft-cost 0,1,2,4,8` before
 choosing a method.
 

@@ -397,7 +397,7 @@ class Goodput(Proposer):
                 self._warm = self._warm or bool(ran)
                 bucket["depth"] = self._ema(bucket["depth"], max((len(d) for d in drafted), default=0), w)
                 bucket["off_steps"] = 0
-                if not self._blind and m:                # the first step keeps blind: models only
+                if not self._blind and m:                # the blind first step: no gain to learn
                     bucket["n"] += 1
                     g = self._last_gain / m
                     bucket["gain"] = self._ema(bucket["gain"], g, w, bucket["n"])

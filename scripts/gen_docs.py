@@ -99,9 +99,9 @@ drafter methods draft next to nothing and run 0.93x-0.98x (`cascade` drafted no 
 `mamba` ran at tau 1.00). A set's tokens/s is set by its last request: `lookahead`'s requests
 finished sooner on average in every category there (mean latency 1.02x / 1.27x / 1.34x plain's),
 chat included, but a token accepted for a request that finishes before the set's last one does
-not bring the set's end forward, and every drafting step costs the whole batch. No result from an AMX host is
-committed yet: on a new host, run the same benchmark with `--draft-cost 0,1,2,4,8` before
-choosing a method.
+not bring the set's end forward, and every drafting step costs the whole batch. No result from
+an AMX host is committed yet: on a new host, run the same benchmark with `--draft-cost
+0,1,2,4,8` before choosing a method.
 
 ## On a GPU: what verification costs
 

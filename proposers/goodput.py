@@ -117,6 +117,12 @@ class AcceptModel:
         self.req.pop(rid, None)
 
 
+def _cuttable(req, drafts) -> bool:
+    """Whether goodput cuts this row's drafts: a non-empty chain (a `DraftTree` passes through
+    uncut) of a request our acceptance serves exactly (`tree_ok`; others draft nothing)."""
+    return bool(len(drafts)) and req.tree_ok and not isinstance(drafts, DraftTree)
+
+
 def generic_classes(n: int) -> list[int]:
     """Classes by depth alone, for proposers that give none."""
     return [min(j, DEPTHS - 1) for j in range(n)]
@@ -423,8 +429,7 @@ class Goodput(Proposer):
             # class at once (classes are shared by all rows) and what a draft costs; the next
             # step verifies none (`needs_plain`). Every row's whole chain would cost a cold batch
             # of 8 a step of ~5x a plain one here (128 drafts) for the same measurement.
-            i = next((i for i, (req, d) in enumerate(zip(ctx.requests, drafts))
-                      if len(d) and req.tree_ok and not isinstance(d, DraftTree)), None)
+            i = next((i for i, (req, d) in enumerate(zip(ctx.requests, drafts)) if _cuttable(req, d)), None)
             if i is not None:
                 keep[i] = len(drafts[i])
             return keep
@@ -435,7 +440,7 @@ class Goodput(Proposer):
         cand = []                                  # (p, depth, row)
         reach = np.zeros(self.k)
         for i, (req, d, c) in enumerate(zip(ctx.requests, drafts, classes)):
-            if not len(d) or not req.tree_ok or isinstance(d, DraftTree):
+            if not _cuttable(req, d):
                 continue
             q = self.accept.rates(req.req_id, glob)[np.asarray(c[:len(d)], dtype=np.int64)]
             for j, p in enumerate(np.cumprod(q).tolist()):
@@ -462,8 +467,7 @@ class Goodput(Proposer):
         self._last_gain = made - n
         self._threshold = b * made / (a + b * (n + extra) + jump)
         if self.explore_every and self.steps % self.explore_every == 0 and extra:   # never pays the jump alone
-            rows = [i for i, d in enumerate(drafts) if keep[i] < len(d) and ctx.requests[i].tree_ok
-                    and not isinstance(d, DraftTree)]
+            rows = [i for i, d in enumerate(drafts) if keep[i] < len(d) and _cuttable(ctx.requests[i], d)]
             if rows:
                 i = rows[(self.steps // self.explore_every) % len(rows)]
                 keep[i] += 1

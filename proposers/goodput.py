@@ -28,22 +28,23 @@ the cut decides. One that costs real time (a draft model) runs only while it pay
 bucket its own seconds per row, the accepted tokens the cut expected per request (scaled by the
 ratio of accepted to expected tokens measured so far) and the drafts kept are tracked, and the
 predicted rate with drafts (R_on, with its own time and the jump) is compared with the rate
-without (R_off). It starts on and is switched off by measurements, not by a prior: until its
-steady seconds per row are measured it drafts, and R_on is taken with the gain one standard error
-above its mean over the drafting steps measured (optimism that fades as they add up), so a
-drafter that pays is never switched off by the few noisy steps of a cold server, and one that
-loses where verification is dear is off after a handful. R_off is priced from plain steps: on a
-cold fit one step in ~4 verifies no drafts until two are measured (`StepCost.needs_plain`), and
-the expected gain's calibration is shrunk towards 1 (a cold request's first rejections are luck,
-not a rate). Its own seconds are priced from steady steps only: not its first call (cold:
-allocations, first kernel runs), not a step where a row catches up on tokens it skipped while off
-(a one-off of drafting again, priced with the probe). While off, `probe_rows` requests (in
-turn) draft again once the probe's cost (with its catch-ups, and its scans of prompts the
-proposer had not seen: a drafter that stays off never makes them) has fallen to ~1% of the time
-since the last one, two steps in a row: the first pays the catch-up, the second measures the
-steady cost. The wrapped
-proposer sees every step (with a budget of 0 while off) and catches up on what it skipped when it
-drafts again.
+without (R_off). It is switched off by measurements, not by a prior, and learning costs a
+cold batch a few rows, not all: the first step drafts for the one row whose chain it keeps (no
+step measured yet), a step that verifies no drafts drafts none, and until its steady seconds per
+row and its gain are measured the proposer drafts as a probe does (`probe_rows` rows, two
+steps). R_on is taken with the gain one standard error above its mean over the drafting steps
+measured (optimism that fades as they add up), so a drafter that pays is never switched off by
+the few noisy steps of a cold server, and one that loses where verification is dear is off
+after a handful. R_off is priced from plain steps: on a cold fit one step in ~4 verifies no
+drafts until two are measured (`StepCost.needs_plain`), and the expected gain's calibration is
+shrunk towards 1 (a cold request's first rejections are luck, not a rate). Its own seconds are
+priced from steady steps only: not its first call (cold: allocations, first kernel runs), not a
+step where a row catches up on tokens it skipped while off (a one-off of drafting again, priced
+with the probe). While off, `probe_rows` requests (in turn) draft again once the probe's cost
+(with its catch-ups, and its scans of prompts the proposer had not seen: a drafter that stays
+off never makes them) has fallen to ~1% of the time since the last one, two steps in a row: the
+first pays the catch-up, the second measures the steady cost. The wrapped proposer sees every
+step (with a budget of 0 while off) and catches up on what it skipped when it drafts again.
 
 Every `explore_every`-th step that drafts anyway, one request (in turn) gets one token past its
 cut, so classes below the current threshold keep being measured.
@@ -231,18 +232,24 @@ class Goodput(Proposer):
         return gain + (max(gain, 0.0) * (1 + max(gain, 0.0)) / max(n, 1)) ** 0.5
 
     def _mode(self, bucket: dict, n: int) -> str:
-        """"on", "off", or "probe" (a few rows draft). A proposer that costs next to nothing
-        (under `cheap` of a step) always runs: the cut already drafts nothing when nothing pays.
-        One that costs real time (a draft model) starts on and runs until its steady cost is
-        measured, then while R_on >= R_off, with the gain the cut expects (scaled by
+        """"on", "off", "probe" (a few rows draft), "blind" (no step measured yet: the one row
+        whose chain `_allocate` keeps drafts) or "plain" (a step that verifies no drafts,
+        `StepCost.needs_plain`: none are drafted). Until its steady cost and gain are measured, a
+        proposer drafts as a probe. Then one that costs next to nothing (under `cheap` of a step)
+        always runs: the cut already drafts nothing when nothing pays. One that costs real time
+        (a draft model) runs while R_on >= R_off, with the gain the cut expects (scaled by
         `calibration`) one standard error above its mean (`gain_bound`); while off it probes when
         the probe's cost (`probe_s`: its two steps, catch-up, scans of prompts it had not seen and
         jumps included) has fallen to
         `probe_share` of the time since the last (never sooner than `probe_every` steps)."""
         if self._probe is not None:            # a probe's second step: the steady one
             return "probe"
+        if self.cost.n == 0:
+            return "blind"
+        if self.cost.needs_plain():
+            return "plain"
         if bucket["on_row_s"] is None or bucket["gain"] is None:
-            return "on"
+            return "probe"
         fit = self.cost.fit(n, self.context) or (0.0, 0.0, 0.0)
         costly = self._costly(bucket, n, fit, optimistic=True)
         if costly is None:
@@ -339,10 +346,11 @@ class Goodput(Proposer):
             else:
                 start = (self.steps * self.probe_rows) % n
                 rows = sorted(set((live * 2)[start:start + self.probe_rows]))
-            sub = replace(ctx, requests=[ctx.requests[i] for i in rows])
-        else:
-            sub = ctx
-        depth = self._depth(bucket, n, budget) if mode != "off" else 0
+        elif mode == "blind":                # one row's chain is all `_allocate` keeps: one row drafts
+            rows = [next((i for i in live if ctx.requests[i].tree_ok), live[0])]
+        sub = ctx if len(rows) == len(ctx.requests) else replace(ctx, requests=[ctx.requests[i] for i in rows])
+        drafts = mode not in ("off", "plain")    # "plain": nothing is verified this step, nothing drafted
+        depth = self._depth(bucket, n, budget) if drafts else 0
         if self.sync is not None:
             depth = self.sync(depth)
         ran = {r.req_id for r in sub.requests if r.sampled} if depth else set()
@@ -357,7 +365,7 @@ class Goodput(Proposer):
         once = self.inner.once_seconds - once0
         draft_s = self.clock() - t0 - once
         cls = self.inner.classes or [generic_classes(len(d)) for d in drafted]
-        kept = self._allocate(sub, drafted, cls, n) if mode != "off" else [0] * len(drafted)
+        kept = self._allocate(sub, drafted, cls, n) if drafts else [0] * len(drafted)
         if self.sync is not None:
             kept = self.sync(kept)
         out: list = [[] for _ in ctx.requests]
@@ -369,8 +377,8 @@ class Goodput(Proposer):
             if m:
                 self.sent[ctx.requests[i].req_id] = list(c[:m])
         if n:
-            self.history.append((self.steps, n, sum(len(d) for d in drafted) if mode != "off" else 0,
-                                 sum(kept), self._threshold if mode != "off" else None))
+            self.history.append((self.steps, n, sum(len(d) for d in drafted) if drafts else 0,
+                                 sum(kept), self._threshold if drafts else None))
         self.steps += 1
         st = self.goodput_stats
         st["steps"] += 1
@@ -385,7 +393,7 @@ class Goodput(Proposer):
             if mode == "off":
                 bucket["off_row_s"] = self._ema(bucket["off_row_s"], draft_s / n)
                 bucket["off_steps"] += 1
-            elif not self._forced:
+            elif drafts and not self._forced:
                 m = sum(1 for r in sub.requests if r.sampled)
                 st["drafting_steps"] += 1
                 st["probes"] += mode == "probe"

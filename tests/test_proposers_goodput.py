@@ -281,6 +281,38 @@ def test_a_costly_drafter_that_does_not_pay_is_switched_off_and_probed():
     assert 3 <= st["drafting_steps"] <= 12 and st["probes"] >= 2, st
 
 
+def test_a_cold_server_learns_a_costly_drafter_on_a_few_rows():
+    """At batch 8, what a cold server pays to learn a drafter (one that does not pay, at 1.25 s a
+    row, a step being ~18 s): the blind first step drafts for the one row whose chain it keeps,
+    a step that verifies nothing (`needs_plain`) runs no drafter, and until its cost and gain are
+    measured it drafts for `probe_rows` rows, not the batch. Then it is off."""
+    target = lcg()
+    clock = Clock(target, 10.0, 1.0)
+    prompts = {f"r{i}": [7 + i, 3 * i + 1] for i in range(8)}
+    refs = {tuple(p): greedy(target, p, 48) for p in prompts.values()}
+    inner = Costly(refs, clock, 0.0)
+    rows: list[int] = []             # rows the drafter drafted for, per step
+    propose = inner.propose
+
+    def per_row(ctx):
+        drafting = [r for r in ctx.requests if r.sampled] if ctx.budget(inner.k) else []
+        rows.append(len(drafting))
+        clock.t += 1.25 * len(drafting)
+        return propose(ctx)
+    inner.propose = per_row
+    prop = Goodput(inner, clock=clock)
+    eng = ToyEngine(prop, clock.next, vocab_size=V)
+    for rid, p in prompts.items():
+        eng.add(rid, p, 40)
+    while eng.reqs:
+        eng.step()
+        clock.t += 10.0
+    assert rows[:2] == [1, 0], rows[:8]
+    learn = rows[2:rows.index(0, 2)]
+    assert 1 <= len(learn) <= 2 and max(learn) <= prop.probe_rows, rows[:8]
+    assert sum(rows[:30]) == 1 + sum(learn), rows[:30]      # then off: no probe this soon
+
+
 class CostlyPerToken(Proposer):
     """A draft model: each drafted token costs `cost` clock seconds. Its first token is always
     right, its second one time in two, the rest never (classes = depth)."""

@@ -394,7 +394,7 @@ class LookaheadProposer(Proposer):
         chain = self._chain(st, t, ctx, k, srcs, starts)
         drafts = chain + st.window[len(chain):min(self.window, k)]
         # token classes (for `Goodput`): the tree form's (source, continuation, depth) scheme,
-        # the window tail as source 3
+        # the window tail as source 3, the shared pool's tokens 4, a long text match's 5
         D, first = self._DEPTHS, set(starts) | {len(chain)}
         self._classes = [(2 * (srcs[j] if j < len(chain) else 3) + (j not in first)) * D + min(j, D - 1)
                          for j in range(len(drafts))]
@@ -408,14 +408,25 @@ class LookaheadProposer(Proposer):
         """The chain form's chain over text `t`, without the Jacobi window (a cascade's level 0)."""
         return self._chain(st, t, t[-max(self.pl_max, 1):].tolist(), k)
 
+    #: tokens of context that must agree at the occurrence a text match drafts from for its
+    #: tokens to be a class of their own (source 5): replayed over the fresh prompts, a match that
+    #: agrees over 8 or more tokens had its first token accepted 0.9-1.0 of the time, one over 2
+    #: ~0.5-0.65. Suffix decoding scales its drafts by the match length; `Goodput` prices each
+    #: class by its own measured rate, so the long match's chain is kept deep and the short one's
+    #: cut early.
+    LONG_MATCH = 8
+
     def _chain(self, st: _State, t: np.ndarray, ctx: list[int], k: int, srcs: list[int] | None = None,
                starts: list[int] | None = None) -> list[int]:
         """The chain form's candidate: `_extend` repeated up to k tokens. `srcs`, if given,
         receives each token's source (0: prompt lookup, >= 2 tokens of context; 1: pool; 2:
-        1-token prompt lookup); `starts` the index where each extension begins."""
+        1-token prompt lookup; 4: the shared pool; 5: prompt lookup agreeing over `LONG_MATCH`
+        tokens); `starts` the index where each extension begins."""
         chain: list[int] = []
+        back = t[-self.LONG_MATCH:].tolist() if srcs is not None else None
         while len(chain) < k:
-            ext = self._extend(st, t, (ctx + chain)[-len(ctx):], k - len(chain), srcs)
+            ext = self._extend(st, t, (ctx + chain)[-len(ctx):], k - len(chain), srcs,
+                               None if back is None else (back + chain)[-self.LONG_MATCH:])
             if not ext:
                 break
             if starts is not None:
@@ -423,12 +434,14 @@ class LookaheadProposer(Proposer):
             chain += ext
         return chain
 
-    def _extend(self, st: _State, t: np.ndarray, ctx: list[int], r: int, srcs: list[int] | None = None) -> list[int]:
+    def _extend(self, st: _State, t: np.ndarray, ctx: list[int], r: int, srcs: list[int] | None = None,
+                back: list[int] | None = None) -> list[int]:
         """The request's own text (>= 2 tokens of context), the shared pool (>= 2), the request's
         Jacobi/text pool, the shared pool (1 token of context), its own text (1 token). The
-        shared pool gives one token per call, so the request's own text is tried again after it."""
-        ext = self._lookup(st, t, ctx, r, max(self.pl_min, 2))  # text match with >= 2 tokens of context
-        src, shared = 0, self.shared
+        shared pool gives one token per call, so the request's own text is tried again after it.
+        `back`: the last `LONG_MATCH` tokens before the extension (text and chain so far)."""
+        ext, agree = self._lookup(st, t, ctx, r, max(self.pl_min, 2), back)   # >= 2 tokens of context
+        src, shared = 5 if agree >= self.LONG_MATCH else 0, self.shared
         if not ext:
             x = shared.next(ctx, 2, len(ctx), st.tenant) if shared is not None else None
             if x is not None:
@@ -438,18 +451,26 @@ class LookaheadProposer(Proposer):
             elif shared is not None and (x := shared.next(ctx, 1, 1, st.tenant)) is not None:
                 ext, src = [x], 4
             elif self.pl_min == 1:
-                ext, src = self._lookup(st, t, ctx, r, 1), 2
+                ext, src = self._lookup(st, t, ctx, r, 1)[0], 2
         if srcs is not None:
             srcs += [src] * len(ext)
         return ext
 
-    def _lookup(self, st: _State, t: np.ndarray, ctx: list[int], r: int, lo: int) -> list[int]:
-        """Prompt lookup as `ngram_lookup`, via the incremental index (latest occurrence)."""
+    def _lookup(self, st: _State, t: np.ndarray, ctx: list[int], r: int, lo: int,
+                back: list[int] | None = None) -> tuple[list[int], int]:
+        """Prompt lookup as `ngram_lookup`, via the incremental index (latest occurrence), and
+        over how many of the tokens `back` ends with the text agrees there (0 without `back`):
+        the match's length, and the tokens before it that agree too."""
         for m in range(min(self.pl_max, len(ctx)), lo - 1, -1):
             pos = st.index.get(tuple(ctx[-m:]))
             if pos is not None:
-                return t[pos:pos + r].tolist()
-        return []
+                n = 0
+                if back is not None:
+                    n = m
+                    while n < len(back) and pos - n - 1 >= 0 and int(t[pos - n - 1]) == back[-n - 1]:
+                        n += 1
+                return t[pos:pos + r].tolist(), n
+        return [], 0
 
     # ---- tree form -------------------------------------------------------------------------
     # Node classes for the per-request acceptance statistics: (source, diverge, depth), depth
@@ -473,8 +494,8 @@ class LookaheadProposer(Proposer):
     #: a window after it iterates on the tokens most likely to be accepted.
     window_at = "chain"
     #: prior rate of each chain-form token class (`Goodput`): index (2 * source + continuation) * D + depth
-    #: (sources 0..3 as the tree form's, 4: the shared pool)
-    class_prior = np.repeat(np.array(_PRIOR[:4] + ((0.4, 0.6),)).ravel(), _DEPTHS)
+    #: (sources 0..3 as the tree form's, 4: the shared pool, 5: a text match over `LONG_MATCH` tokens)
+    class_prior = np.repeat(np.array(_PRIOR[:4] + ((0.4, 0.6), (0.9, 0.9))).ravel(), _DEPTHS)
 
     def _init_stats(self, st: _State) -> None:
         pri = list(self._PRIOR)
@@ -607,11 +628,12 @@ class LookaheadProposer(Proposer):
         ctx = t[-max(self.pl_max, 1):].tolist()
         srcs: list[int] = []
         chain = self._chain(st, t, ctx, depth, srcs)
-        srcs = [1 if x == 4 else x for x in srcs]   # the shared pool's tokens: a pool's, in the tree's classes
+        # the tree's classes: the shared pool's tokens are a pool's, a long match's a match's
+        srcs = [{4: 1, 5: 0}.get(x, x) for x in srcs]
         win = st.window[:min(self.window, depth)]
         alts = [list(g[1:depth + 1]) for g in reversed(st.pool.get(ctx[-1])[-self.guesses:])]
         if self.pl_min == 1:
-            one = self._lookup(st, t, ctx, depth, 1)
+            one = self._lookup(st, t, ctx, depth, 1)[0]
             if one:
                 alts.append(one)
         hits, tries = st.hits, st.tries   # rate of class c: hits[c] / tries[c]

@@ -203,8 +203,27 @@ def test_incremental_prompt_lookup_matches_ngram_lookup():
     st = p.new_state(RequestStep("r", t[:1], [], []))
     for L in range(2, len(t)):
         p._index_text(st, t[:L], "r")
-        got = p._lookup(st, t[:L], t[max(L - 3, 0):L].tolist(), 5, 1)
+        got, _ = p._lookup(st, t[:L], t[max(L - 3, 0):L].tolist(), 5, 1)
         assert got == ngram_lookup(t[:L], 5, 1, 3), L
+
+
+def test_a_long_text_match_is_a_class_of_its_own():
+    """A chain copied from where the text agrees with the context over `LONG_MATCH` tokens or more
+    carries source 5's classes, one where it agrees over 2 source 0's (`Goodput` learns a rate
+    for each: suffix decoding's match length, as a class)."""
+    p = LookaheadProposer(LookaheadConfig(4, shared_pool=0))
+    long_ = list(range(10, 30))                       # 20 distinct tokens, repeated: agreement >= 8
+    short = [1, 2, 3, 4, 5, 6, 7, 8, 9, 40, 41, 42, 43, 50, 51, 52, 53, 54, 55, 56, 57, 42, 43]   # 42 43: 2 agree
+    D = p._DEPTHS
+    for text, src in ((long_ + [0] + long_[:12], 5), (short, 0)):
+        t = np.array(text)
+        st = p.new_state(RequestStep("r", t, [int(t[-1])], []))
+        p.observe(st, RequestStep("r", t, [int(t[-1])], []))
+        p._classes = []
+        drafts = p.propose_one(st, RequestStep("r", t, [int(t[-1])], []), 4)
+        assert drafts == text[text.index(text[-1]) + 1:][:4], (src, drafts)
+        assert p._classes[0] == 2 * src * D, (src, p._classes)
+        p.release("r")
 
 
 @pytest.mark.parametrize("ngram", [2, 3, 4, 5])

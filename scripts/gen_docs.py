@@ -79,14 +79,17 @@ no method paid in bf16: every one, `suffix` included, ran 0.90x-1.01x plain, the
 3.0-4.6% apart ([`fresh_b1_bf16_lockstep_avx2`](#fresh_b1_bf16_lockstep_avx2)). In float32 on
 the same kind of host plain decodes nearly as fast as in bf16 and verifying 1 / 2 / 4 / 8 drafts
 costs 1.02x / 1.29x / 1.29x / 1.54x a plain step ([`draft_cost_b1_f32_avx2`](#draft_cost_b1_f32_avx2)).
-There, at batch 1, with all seven methods in one run and the two plain engines 0.4-2.9% apart
-([`fresh_b1_f32_lockstep_avx2`](#fresh_b1_f32_lockstep_avx2)), every method but vLLM's `ngram`
-paid on chat / code / repetitive text: `lookahead` (capped at 6 drafts) 1.21x / 1.33x / 1.67x plain, `suffix` 1.20x /
-1.33x / 1.80x, `bandit_tree` 1.14x / 1.26x / 1.56x, `cascade` 1.07x / 1.14x / 1.29x, `mamba`
-1.05x / 1.04x / 0.98x, `ngram` 0.92x / 1.00x / 1.27x. With chains of up to 16 drafts (the served
-default), beside `suffix` and the 6-draft cap in one run, `lookahead` ran 1.24x / 1.44x / 1.86x
-against `suffix`'s 1.25x / 1.39x / 1.89x at batch 1, at a tau of 1.43 / 1.81 / 2.82 against 1.42 /
-1.73 / 2.62 ([`fresh_b1_f32_lookahead_k16_lockstep_avx2`](#fresh_b1_f32_lookahead_k16_lockstep_avx2)),
+There, at batch 1, with all seven methods at their served defaults in one run and the two plain
+engines 2.1-4.3% apart ([`fresh_b1_f32_lockstep_avx2`](#fresh_b1_f32_lockstep_avx2)), every
+method paid on chat / code / repetitive text: `suffix` 1.29x / 1.35x / 1.93x plain, `lookahead`
+1.16x / 1.27x / 1.84x, `bandit_tree` 1.17x / 1.34x / 1.68x, `cascade` 1.08x / 1.17x / 1.29x,
+`mamba` 1.05x / 1.09x / 1.01x, `ngram` 1.00x / 1.02x / 1.32x. `lookahead`'s tau was level with or
+above suffix's (1.42 / 1.79 / 2.84 against 1.42 / 1.73 / 2.62), but it verified 1.5-1.8x as many
+drafts to get there (22-35% of its drafts accepted, suffix's 33-58%), so its steps cost more
+(chat: 66.8 ms a step against 58.6 ms). In a run of `lookahead` beside `suffix` and a 6-draft cap alone,
+the two were level at batch 1: 1.24x / 1.44x / 1.86x against `suffix`'s 1.25x / 1.39x / 1.89x, at
+a tau of 1.43 / 1.81 / 2.82 against 1.42 / 1.73 / 2.62
+([`fresh_b1_f32_lookahead_k16_lockstep_avx2`](#fresh_b1_f32_lookahead_k16_lockstep_avx2)),
 and 0.95x / 1.03x / 1.36x against 0.96x / 1.09x / 1.43x at batch 8, 2-3% behind the 6-draft cap
 there ([`fresh_b8_f32_lookahead_k16_lockstep_avx2`](#fresh_b8_f32_lookahead_k16_lockstep_avx2)).
 On an AVX2-only host, serve float32 (the

@@ -30,13 +30,13 @@ class Clock:
 
 
 def run(make, n_req, max_tokens, fixed, per_token, target=None):
-    """Every request decoded to the end through Goodput(make(refs)); outputs checked against
-    plain greedy. Returns (the Goodput proposer, verify steps per request)."""
+    """Every request decoded to the end through Goodput(make(refs, clock)); outputs checked
+    against plain greedy. Returns (the Goodput proposer, verify steps per request)."""
     target = target or lcg()
     clock = Clock(target, fixed, per_token)
     prompts = {f"r{i}": [7 + i, 3 * i + 1] for i in range(n_req)}
     refs = {tuple(p): greedy(target, p, max_tokens + 8) for p in prompts.values()}
-    prop = Goodput(make(refs), clock=clock)
+    prop = Goodput(make(refs, clock), clock=clock)
     eng = ToyEngine(prop, clock.next, vocab_size=V)
     for rid, p in prompts.items():
         eng.add(rid, p, max_tokens)
@@ -187,7 +187,7 @@ def test_keeps_everything_that_is_always_accepted():
     the cold first step measures one row's chain, so at batch 8 the deeper classes take ~50
     steps to be kept by every row)."""
     for n, settled, slack in ((1, 20, 12), (8, 60, 24)):
-        prop, steps = run(lambda refs: OracleProposer(4, refs), n, 300, fixed=10.0, per_token=1.0)
+        prop, steps = run(lambda refs, _: OracleProposer(4, refs), n, 300, fixed=10.0, per_token=1.0)
         assert kept_share(prop, settled) > 0.97, prop.goodput_state()
         assert max(steps.values()) <= 300 / 5 + slack
 
@@ -196,7 +196,7 @@ def test_a_cold_server_measures_one_chain_first():
     """Before any step is measured, one row's whole chain is verified (every depth's class and a
     draft's price measured at once), not every row's: at batch 8 that step would verify 8 chains."""
     for n in (1, 8):
-        prop, _ = run(lambda refs: OracleProposer(4, refs), n, 40, fixed=10.0, per_token=1.0)
+        prop, _ = run(lambda refs, _: OracleProposer(4, refs), n, 40, fixed=10.0, per_token=1.0)
         first = list(prop.history)[0]
         assert first[3] == 4, list(prop.history)[:4]
 
@@ -205,7 +205,7 @@ def test_cuts_drafts_that_are_never_accepted():
     """Never accepted, by a proposer that costs nothing: it runs every step and the cut keeps next
     to nothing (one row's chain on the blind first step, and one exploration token every
     `explore_every` steps)."""
-    prop, steps = run(lambda refs: AdversarialProposer(4, refs, vocab_size=V), 8, 200, fixed=10.0, per_token=1.0)
+    prop, steps = run(lambda refs, _: AdversarialProposer(4, refs, vocab_size=V), 8, 200, fixed=10.0, per_token=1.0)
     st = prop.goodput_stats
     assert st["kept"] - st["explored"] <= 4 + 8, st          # the first step's one chain, then ~nothing
     assert st["explored"] <= st["drafting_steps"] / prop.explore_every + 1
@@ -238,8 +238,8 @@ class Mixed(Proposer):
 def test_threshold_follows_the_batch_cost():
     """Batch 1, a step mostly fixed cost: class-1 tokens (p ~ 1/3) pay and are kept. Batch 16,
     each token a large share of the step: they are cut, class-0 tokens (p ~ 1) still kept."""
-    prop1, _ = run(Mixed, 1, 300, fixed=20.0, per_token=0.2)
-    prop16, _ = run(Mixed, 16, 300, fixed=4.0, per_token=1.0)
+    prop1, _ = run(lambda refs, _: Mixed(refs), 1, 300, fixed=20.0, per_token=0.2)
+    prop16, _ = run(lambda refs, _: Mixed(refs), 16, 300, fixed=4.0, per_token=1.0)
     r1 = prop1.accept.global_rate()
     assert r1[0] > 0.9 and 0.4 < r1[1] < 0.6
     s1, s16 = prop1.goodput_stats, prop16.goodput_stats
@@ -263,17 +263,7 @@ class Costly(Proposer):
 
 
 def test_a_costly_drafter_that_does_not_pay_is_switched_off_and_probed():
-    target = lcg()
-    clock = Clock(target, 10.0, 1.0)
-    prompts = {f"r{i}": [7 + i, 3 * i + 1] for i in range(4)}
-    refs = {tuple(p): greedy(target, p, 208) for p in prompts.values()}
-    prop = Goodput(Costly(refs, clock, 5.0), clock=clock)
-    eng = ToyEngine(prop, clock.next, vocab_size=V)
-    for rid, p in prompts.items():
-        eng.add(rid, p, 200)
-    while eng.reqs:
-        eng.step()
-        clock.t += 10.0
+    prop, _ = run(lambda refs, clock: Costly(refs, clock, 5.0), 4, 200, fixed=10.0, per_token=1.0)
     st = prop.goodput_stats
     # off, but for probes once their cost (two steps of 4 rows x 1.25 s, ~12 s with their jumps)
     # is ~1% of the time since the last: every ~85 steps of ~14 s, so a handful of drafting steps
@@ -286,27 +276,20 @@ def test_a_cold_server_learns_a_costly_drafter_on_a_few_rows():
     row, a step being ~18 s): the blind first step drafts for the one row whose chain it keeps,
     a step that verifies nothing (`needs_plain`) runs no drafter, and until its cost and gain are
     measured it drafts for `probe_rows` rows, not the batch. Then it is off."""
-    target = lcg()
-    clock = Clock(target, 10.0, 1.0)
-    prompts = {f"r{i}": [7 + i, 3 * i + 1] for i in range(8)}
-    refs = {tuple(p): greedy(target, p, 48) for p in prompts.values()}
-    inner = Costly(refs, clock, 0.0)
     rows: list[int] = []             # rows the drafter drafted for, per step
-    propose = inner.propose
 
-    def per_row(ctx):
-        drafting = [r for r in ctx.requests if r.sampled] if ctx.budget(inner.k) else []
-        rows.append(len(drafting))
-        clock.t += 1.25 * len(drafting)
-        return propose(ctx)
-    inner.propose = per_row
-    prop = Goodput(inner, clock=clock)
-    eng = ToyEngine(prop, clock.next, vocab_size=V)
-    for rid, p in prompts.items():
-        eng.add(rid, p, 40)
-    while eng.reqs:
-        eng.step()
-        clock.t += 10.0
+    def per_row(refs, clock):
+        inner = Costly(refs, clock, 0.0)
+        propose = inner.propose
+
+        def timed(ctx):
+            drafting = [r for r in ctx.requests if r.sampled] if ctx.budget(inner.k) else []
+            rows.append(len(drafting))
+            clock.t += 1.25 * len(drafting)
+            return propose(ctx)
+        inner.propose = timed
+        return inner
+    prop, _ = run(per_row, 8, 40, fixed=10.0, per_token=1.0)
     assert rows[:2] == [1, 0], rows[:8]
     learn = rows[2:rows.index(0, 2)]
     assert 1 <= len(learn) <= 2 and max(learn) <= prop.probe_rows, rows[:8]
@@ -369,8 +352,8 @@ def test_a_costly_drafter_drafts_only_the_depths_that_pay():
 
 
 def test_lookahead_under_goodput_is_exact_and_frees_state():
-    prop, _ = run(lambda refs: LookaheadProposer(LookaheadConfig(4), vocab_size=V), 6, 150, fixed=10.0, per_token=1.0,
-                  target=lambda t: (t[-1] * 7 + (t[-2] if len(t) > 1 else 0)) % 50)
+    prop, _ = run(lambda refs, _: LookaheadProposer(LookaheadConfig(4), vocab_size=V), 6, 150, fixed=10.0,
+                  per_token=1.0, target=lambda t: (t[-1] * 7 + (t[-2] if len(t) > 1 else 0)) % 50)
     assert prop.inner.states == {} and prop.accept.req == {} and prop.sent == {}
     assert prop.goodput_stats["kept"] > 0
 

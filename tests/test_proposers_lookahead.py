@@ -209,20 +209,23 @@ def test_incremental_prompt_lookup_matches_ngram_lookup():
 
 def test_a_long_text_match_is_a_class_of_its_own():
     """A chain copied from where the text agrees with the context over `LONG_MATCH` tokens or more
-    carries source 5's classes, one where it agrees over 2 source 0's (`Goodput` learns a rate
-    for each: suffix decoding's match length, as a class)."""
+    carries source 5's classes (`Goodput` learns a rate for it: suffix decoding's match length,
+    as a class). One where it agrees over 2 carries source 0's and copies 2 tokens: the chain
+    ends there and the Jacobi window's tail (source 3) follows."""
     p = LookaheadProposer(LookaheadConfig(4, shared_pool=0))
     long_ = list(range(10, 30))                       # 20 distinct tokens, repeated: agreement >= 8
     short = [1, 2, 3, 4, 5, 6, 7, 8, 9, 40, 41, 42, 43, 50, 51, 52, 53, 54, 55, 56, 57, 42, 43]   # 42 43: 2 agree
     D = p._DEPTHS
-    for text, src in ((long_ + [0] + long_[:12], 5), (short, 0)):
+    for text, src, copied in ((long_ + [0] + long_[:12], 5, 4), (short, 0, 2)):
         t = np.array(text)
         st = p.new_state(RequestStep("r", t, [int(t[-1])], []))
         p.observe(st, RequestStep("r", t, [int(t[-1])], []))
         p._classes = []
         drafts = p.propose_one(st, RequestStep("r", t, [int(t[-1])], []), 4)
-        assert drafts == text[text.index(text[-1]) + 1:][:4], (src, drafts)
-        assert p._classes[0] == 2 * src * D, (src, p._classes)
+        assert drafts[:copied] == text[text.index(text[-1]) + 1:][:copied], (src, drafts)
+        assert p._classes[:copied] == [(2 * src + (j > 0)) * D + j for j in range(copied)], (src, p._classes)
+        assert all(c // D in (6, 7) for c in p._classes[copied:]), p._classes     # the window's tail
+        assert p.chain(st, t, 4) == text[text.index(text[-1]) + 1:][:4]         # a cascade's level 0: uncut
         p.release("r")
 
 

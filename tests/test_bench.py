@@ -82,6 +82,22 @@ def test_tree_tau_replay_walks_spine_and_leaves():
     assert replay.tau((1, 1, 2), ranks) == pytest.approx(6 / 2)    # 0 0 1(leaf) + | 0 +
 
 
+def test_goodput_replay_prices_steps_on_its_own_clock():
+    """A repetitive answer replayed through `lookahead`: the same tokens as plain (the replay
+    asserts it), fewer steps, and a set time below plain's where a draft costs little."""
+    spec = importlib.util.spec_from_file_location("goodput_replay",
+                                                  Path(__file__).parent.parent / "scripts" / "goodput_replay.py")
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 2, [20, 21, 22, 23, 24, 25] * 3]
+    answers = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 6, [20, 21, 22, 23, 24, 25] * 8]
+    params = {"vocab_size": 100}
+    cheap = (0.05, 0.001, 0.002)
+    plain = replay.replay("plain", prompts, answers, 2, cheap, params)
+    la = replay.replay("lookahead", prompts, answers, 2, cheap, params)
+    assert plain["tau"] == pytest.approx(1.0) and la["tau"] > 3 and la["seconds"] < plain["seconds"] / 2
+
+
 def test_interleave_memory_warning(tmp_path, capsys):
     mi = tmp_path / "meminfo"
     mi.write_text("MemTotal:       24000000 kB\nMemAvailable:   23068672 kB\n")     # 22 GiB

@@ -1,0 +1,148 @@
+"""Offline: a bench run's plain greedy outputs replayed through a model-free proposer on the toy
+engine, with a step priced by a cost model instead of a model; the set's time against plain's.
+
+Every step the target "returns" plain's next token where the prefix is plain's text (and noise
+elsewhere, so the Jacobi window learns nothing real: `lookahead` is replayed without what its own
+iterations would add). A step costs `--step-ms` + `--token-ms` per token it runs (rows + drafts)
++ `--jump-ms` when it verifies any draft, on a simulated clock that goodput measures as it would
+a real one. A tuning tool for what drafts: no speed claim comes from it (`bench.py` makes those).
+Prompts are rebuilt from the run's own command line, answers re-tokenized from its text.
+
+    python scripts/bench.py --prompts heldout --n-per-category 24 --methods plain --no-plain-rerun \\
+        --dtype float32 --batch-size 8 --json out/heldout_plain.json
+    python scripts/goodput_replay.py out/heldout_plain.json --batch-size 8 --methods suffix,lookahead
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+class Clock:
+    """The simulated clock steps advance; goodput reads it as `time.perf_counter`."""
+
+    t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def suffix_proposer(k: int):
+    """vLLM's `suffix` method as its proposer drives arctic-inference (served defaults)."""
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    from vllm_spec_plugins.proposers.base import Proposer
+
+    class Suffix(Proposer):
+        def __init__(self):
+            super().__init__(k)
+            self.cache = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=10000)
+            self.fed, self.prompt_len = {}, {}
+
+        def propose(self, ctx):
+            out = []
+            for r in ctx.requests:
+                t = r.token_ids
+                if r.req_id not in self.cache.active_requests:
+                    n = self.prompt_len[r.req_id]
+                    self.cache.start_request(r.req_id, np.asarray(t[:n], dtype=np.int32))
+                    self.fed[r.req_id] = n
+                if len(t) > self.fed[r.req_id]:
+                    self.cache.add_active_response(r.req_id, t[self.fed[r.req_id]:].tolist())
+                self.fed[r.req_id] = len(t)
+                d = self.cache.speculate(r.req_id, np.asarray(t[-24:], dtype=np.int32), max_spec_tokens=self.k,
+                                         max_spec_factor=1.0, min_token_prob=0.1)
+                out.append(list(d.token_ids))
+            for rid in self.cache.active_requests - {r.req_id for r in ctx.requests}:
+                self.cache.stop_request(rid)
+            return out
+
+    return Suffix()
+
+
+def replay(method: str, prompts: list, answers: list, batch: int, cost: tuple, params: dict) -> dict:
+    """Serve `prompts` `batch` at a time through `method`, the target answering `answers`."""
+    from vllm_spec_plugins.config import from_params
+    from vllm_spec_plugins.proposers.base import BuildEnv, Proposer
+    from vllm_spec_plugins.proposers.testing import ToyEngine
+
+    table = {}
+    for p, a in zip(prompts, answers):
+        for i in range(len(a)):
+            table[tuple(p) + tuple(a[:i])] = a[i]
+    clock = Clock()
+    if method == "plain":
+        prop = Proposer(1)
+        prop.propose = lambda ctx: [[] for _ in ctx.requests]
+    elif method == "suffix":
+        prop = suffix_proposer(24)
+        prop.prompt_len = {f"r{j}": len(p) for j, p in enumerate(prompts)}
+    else:
+        prop = from_params({"method": method, **params}).build(BuildEnv(vocab_size=params.get("vocab_size")))
+        for x in (prop, getattr(prop, "inner", None)):
+            if x is not None:
+                x.clock = clock
+    eng = ToyEngine(prop, lambda prefix: table.get(prefix, hash(prefix) % 40000 + 5000))
+    queue = list(enumerate(zip(prompts, answers)))
+    step_s, token_s, jump_s = cost
+    drafted = 0
+    while queue or eng.reqs:
+        while queue and len(eng.reqs) < batch:
+            j, (p, a) = queue.pop(0)
+            eng.add(f"r{j}", p, len(a))
+        n = sum(len(r.drafts or []) for r in eng.reqs.values())
+        drafted += n
+        clock.t += step_s + token_s * (len(eng.reqs) + n) + (jump_s if n else 0.0)
+        eng.step()
+    for rid, r in eng.done.items():
+        assert r.out == answers[int(rid[1:])][:len(r.out)], f"{method}: {rid} differs from plain"
+    steps = sum(r.steps for r in eng.done.values())
+    accepted = sum(sum(r.accepted) for r in eng.done.values())
+    return {"seconds": clock.t, "tau": sum(map(len, answers)) / max(steps, 1),
+            "precision": accepted / max(drafted, 1)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("bench_json", help="a bench.py JSON with plain's outputs (not a stripped docs/results one)")
+    p.add_argument("--methods", default="suffix,lookahead", help="suffix and/or model-free methods of ours")
+    p.add_argument("--config", default="{}", help="JSON: speculative_config keys for our methods")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--step-ms", type=float, default=73.5, help="a step's fixed cost")
+    p.add_argument("--token-ms", type=float, default=3.0, help="per token a step runs")
+    p.add_argument("--jump-ms", type=float, default=10.0, help="a step that verifies drafts, once")
+    args = p.parse_args()
+    import bench
+    from transformers import AutoTokenizer
+
+    from vllm_spec_plugins.tools.runner import to_token_prompts
+
+    run = json.load(open(args.bench_json))
+    outputs = run.get("outputs", {}).get("plain")
+    if not outputs:
+        raise SystemExit(f"{args.bench_json}: no plain outputs (run bench.py with plain; stripped JSONs have none)")
+    argv = run["argv"]
+    bargs = bench.parse_args(argv[next(i for i, a in enumerate(argv) if a.endswith("bench.py")) + 1:])
+    groups, _ = bench.group_rows(bench.load_rows(bargs), [])
+    tok = AutoTokenizer.from_pretrained(run["config"]["model"])
+    cost = (args.step_ms / 1000, args.token_ms / 1000, args.jump_ms / 1000)
+    params = {"vocab_size": len(tok), **json.loads(args.config)}
+    print(f"batch {args.batch_size}; step {args.step_ms} ms + {args.token_ms} ms/token + {args.jump_ms} ms jump")
+    for cat, texts in outputs.items():
+        prompts = to_token_prompts(tok, groups[cat])
+        answers = [tok.encode(t[0], add_special_tokens=False) for t in texts]
+        base = replay("plain", prompts, answers, args.batch_size, cost, params)
+        line = f"{cat:11s}"
+        for m in args.methods.split(","):
+            r = replay(m, prompts, answers, args.batch_size, cost, params)
+            line += f" | {m} {base['seconds'] / r['seconds']:.3f}x plain, tau {r['tau']:.2f}, " \
+                    f"precision {r['precision']:.2f}"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -77,8 +77,9 @@ decodes at ~16 tok/s at batch 1 there), a bf16 step that verifies drafts is dear
 of vLLM's `suffix` cost ~+43 ms for 1.7 drafts on chat against a ~62 ms plain step, and at batch 1
 no method paid in bf16: every one, `suffix` included, ran 0.90x-1.01x plain, the two plain engines
 3.0-4.6% apart ([`fresh_b1_bf16_lockstep_avx2`](#fresh_b1_bf16_lockstep_avx2)). In float32 on
-the same kind of host plain decodes nearly as fast as in bf16 and verifying 1 / 2 / 4 / 8 drafts
-costs 1.02x / 1.29x / 1.29x / 1.54x a plain step ([`draft_cost_b1_f32_avx2`](#draft_cost_b1_f32_avx2)).
+the same kind of host plain decodes nearly as fast as in bf16 and verifying 1 / 2 / 4 / 8 / 16
+drafts costs 1.06x / 1.12x / 1.29x / 1.48x / 1.78x a plain step: the first drafts cost the most
+([`draft_cost_b1_f32_avx2`](#draft_cost_b1_f32_avx2)).
 There, at batch 1, with all seven methods at their served defaults in one run and the two plain
 engines 2.1-4.3% apart ([`fresh_b1_f32_lockstep_avx2`](#fresh_b1_f32_lockstep_avx2)), every
 method paid on chat / code / repetitive text: `suffix` 1.29x / 1.35x / 1.93x plain, `lookahead`
@@ -86,7 +87,13 @@ method paid on chat / code / repetitive text: `suffix` 1.29x / 1.35x / 1.93x pla
 `mamba` 1.05x / 1.09x / 1.01x, `ngram` 1.00x / 1.02x / 1.32x. `lookahead`'s tau was level with or
 above suffix's (1.42 / 1.79 / 2.84 against 1.42 / 1.73 / 2.62), but it verified 1.5-1.8x as many
 drafts to get there (22-35% of its drafts accepted, suffix's 33-58%), so its steps cost more
-(chat: 66.8 ms a step against 58.6 ms). In a run of `lookahead` beside `suffix` and a 6-draft cap alone,
+(chat: 66.8 ms a step against 58.6 ms). At the served defaults of the code as it is (a shorter
+text match than 8 tokens drafting no more tokens than it agrees over), the model-free methods at
+batch 1, the two plain engines 5.0 / 3.5 / 4.2% apart, ran: `lookahead` 1.26x / 1.64x / 1.92x at
+a tau of 1.42 / 1.81 / 2.65, `suffix` 1.24x / 1.53x / 1.90x at 1.42 / 1.73 / 2.62, `ngram` 0.87x
+/ 1.04x / 1.17x ([`fresh_b1_f32_model_free_lockstep_avx2`](#fresh_b1_f32_model_free_lockstep_avx2));
+`lookahead` verified 1.65 / 2.33 / 3.55 drafts a step against suffix's 1.23 / 1.55 / 2.62 (1.92 /
+2.67 / 5.25 in the all-seven run). In a run of `lookahead` beside `suffix` and a 6-draft cap alone,
 the two were level at batch 1: 1.24x / 1.44x / 1.86x against `suffix`'s 1.25x / 1.39x / 1.89x, at
 a tau of 1.43 / 1.81 / 2.82 against 1.42 / 1.73 / 2.62
 ([`fresh_b1_f32_lookahead_k16_lockstep_avx2`](#fresh_b1_f32_lookahead_k16_lockstep_avx2)),
@@ -102,15 +109,18 @@ drafter methods draft next to nothing and run 0.93x-0.98x (`cascade` drafted no 
 `mamba` ran at tau 1.00). A set's tokens/s is set by its last request: `lookahead`'s requests
 finished sooner on average in every category there (mean latency 1.02x / 1.27x / 1.34x plain's),
 chat included, but a token accepted for a request that finishes before the set's last one does
-not bring the set's end forward, and every drafting step costs the whole batch. With a text
-match that agrees with the context over 8 or more tokens priced as a class of its own, as
-`lookahead` does now, the model-free methods at batch 8, on a faster day of the host (plain 99 /
-70 / 52 tok/s; the two plain engines 5.9 / 0.3 / 5.6% apart), ran: `lookahead` 0.97x / 1.12x / 1.41x
-at a tau of 1.21 / 1.49 / 2.26, `suffix` 1.00x / 1.10x / 1.40x at 1.42 / 1.72 / 2.62, `ngram`
-0.65x / 0.78x / 0.91x ([`fresh_b8_f32_model_free_lockstep_avx2`](#fresh_b8_f32_model_free_lockstep_avx2)).
-On repetitive text 60% of `lookahead`'s drafts were accepted there, suffix's 59%; in the
-all-seven run, 49% against 59%. No result from an AMX host is committed yet: on a new host, run
-the same benchmark with `--draft-cost 0,1,2,4,8` before choosing a method.
+not bring the set's end forward, and every drafting step costs the whole batch. At the served
+defaults of the code as it is (a text match that agrees with the context over 8 or more tokens
+priced as a class of its own, a shorter one drafting no more tokens than it agrees over), the
+model-free methods at batch 8, the two plain engines 1.6 / 3.4 / 4.7% apart, ran: `lookahead`
+0.96x / 1.13x / 1.35x at a tau of 1.28 / 1.59 / 2.34, `suffix` 0.86x / 1.05x / 1.31x at 1.42 /
+1.72 / 2.62, `ngram` 0.66x / 0.79x / 0.89x
+([`fresh_b8_f32_model_free_lockstep_avx2`](#fresh_b8_f32_model_free_lockstep_avx2)).
+`lookahead` verified 4.5 / 5.9 / 12.1 drafts a step (the batch's) against suffix's 8.1 / 7.6 /
+14.9, and 43 / 52 / 63% of them were accepted against 33 / 46 / 59%: where every verified
+token costs the whole batch, fewer and better drafts beat a higher tau.
+No result from an AMX host is committed yet: on a new host, run the same benchmark with
+`--draft-cost 0,1,2,4,8` before choosing a method.
 
 ## On a GPU: what verification costs
 

@@ -413,9 +413,10 @@ class LookaheadProposer(Proposer):
     #: agrees over 8 or more tokens had its first token accepted 0.9-1.0 of the time, one over 2
     #: ~0.5-0.65. `Goodput` prices each class by its own measured rate, so the long match's chain
     #: is kept deep. A shorter match drafts no more tokens than it agrees over and ends the chain
-    #: (suffix decoding's draft length scaled by match length, factor 1): past that its tokens
-    #: share classes with the long matches' deep ones and are priced at their rate; replayed over
-    #: the held-out split at batch 8, the set ran 2-5% faster, at batch 1 within 1%.
+    #: (suffix decoding's draft length scaled by match length, factor 1): past that, its deep
+    #: tokens would share goodput's classes (depth is capped at `_DEPTHS`) with those of matches
+    #: that agree over more and be priced at their rate. Replayed over the held-out split
+    #: (`scripts/goodput_replay.py`), the set ran 2-5% faster at batch 8, within 1% at batch 1.
     LONG_MATCH = 8
 
     def _chain(self, st: _State, t: np.ndarray, ctx: list[int], k: int, srcs: list[int] | None = None,

@@ -110,7 +110,8 @@ drafter methods draft next to nothing and run 0.93x-0.98x (`cascade` drafted no 
 beside `ngram` and `suffix`, the two plain engines 5.5 / 2.9 / 3.5% apart, the drafter methods at
 batch 8 still draft next to nothing and still cost a little: `mamba` 0.96x / 1.01x / 0.98x and
 `cascade` 0.94x / 0.95x / 0.98x (tau 1.00), `bandit_tree` 0.93x / 1.11x / 1.20x, `suffix` 0.99x /
-1.08x / 1.42x ([`fresh_b8_f32_drafters_lockstep_avx2`](#fresh_b8_f32_drafters_lockstep_avx2)). A set's tokens/s is set by its last request: `lookahead`'s requests
+1.08x / 1.42x ([`fresh_b8_f32_drafters_lockstep_avx2`](#fresh_b8_f32_drafters_lockstep_avx2)).
+A set's tokens/s is set by its last request: `lookahead`'s requests
 finished sooner on average in every category there (mean latency 1.02x / 1.27x / 1.34x plain's),
 chat included, but a token accepted for a request that finishes before the set's last one does
 not bring the set's end forward, and every drafting step costs the whole batch. At the served

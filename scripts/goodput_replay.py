@@ -31,16 +31,23 @@ class Clock:
         return self.t
 
 
-def suffix_proposer(k: int):
-    """vLLM's `suffix` method as its proposer drives arctic-inference (served defaults)."""
+def suffix_proposer():
+    """vLLM's `suffix` method as its proposer drives arctic-inference, with vLLM's defaults (its
+    `SpeculativeConfig`'s; k defaults to the tree depth there)."""
     from arctic_inference.suffix_decoding import SuffixDecodingCache
+    from vllm.config import SpeculativeConfig
 
     from vllm_spec_plugins.proposers.base import Proposer
 
+    fields = SpeculativeConfig.__dataclass_fields__
+    cfg = {k.removeprefix("suffix_decoding_"): f.default for k, f in fields.items()
+           if k.startswith("suffix_decoding_")}
+    depth = cfg["max_tree_depth"]
+
     class Suffix(Proposer):
         def __init__(self):
-            super().__init__(k)
-            self.cache = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=10000)
+            super().__init__(depth)
+            self.cache = SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=cfg["max_cached_requests"])
             self.fed, self.prompt_len = {}, {}
 
         def propose(self, ctx):
@@ -54,8 +61,8 @@ def suffix_proposer(k: int):
                 if len(t) > self.fed[r.req_id]:
                     self.cache.add_active_response(r.req_id, t[self.fed[r.req_id]:].tolist())
                 self.fed[r.req_id] = len(t)
-                d = self.cache.speculate(r.req_id, np.asarray(t[-24:], dtype=np.int32), max_spec_tokens=self.k,
-                                         max_spec_factor=1.0, min_token_prob=0.1)
+                d = self.cache.speculate(r.req_id, np.asarray(t[-depth:], dtype=np.int32), max_spec_tokens=self.k,
+                                         max_spec_factor=cfg["max_spec_factor"], min_token_prob=cfg["min_token_prob"])
                 out.append(list(d.token_ids))
             for rid in self.cache.active_requests - {r.req_id for r in ctx.requests}:
                 self.cache.stop_request(rid)
@@ -79,7 +86,7 @@ def replay(method: str, prompts: list, answers: list, batch: int, cost: tuple, p
         prop = Proposer(1)
         prop.propose = lambda ctx: [[] for _ in ctx.requests]
     elif method == "suffix":
-        prop = suffix_proposer(24)
+        prop = suffix_proposer()
         prop.prompt_len = {f"r{j}": len(p) for j, p in enumerate(prompts)}
     else:
         prop = from_params({"method": method, **params}).build(BuildEnv(vocab_size=params.get("vocab_size")))

@@ -72,7 +72,22 @@ Read a row as: where the price of the drafts a method keeps stays under its tau,
 plain. At batch 1 on AVX-512 a step that verifies up to 8 drafts costs little more than a plain
 step (and not linearly: 1 draft costs more than 2 or 4 there), so every method that drafts
 pays; at batch 8 every row's drafts add up, and only well-accepted ones pay (goodput switches the
-drafter-based methods off there). On a 2-core AVX2-only host (no AVX-512, no AMX; plain bf16
+drafter-based methods off there). With all seven methods at their served defaults in one run
+there, in bf16, at batch 1 (the two plain engines 7.1 / 3.4 / 3.7% apart) every method paid on
+chat / code / repetitive text: `lookahead` 1.48x / 1.63x / 2.09x plain at a tau of 1.57 / 1.74 /
+2.49, `suffix` 1.33x / 1.64x / 2.03x at 1.43 / 1.84 / 2.42, `bandit_tree` 1.41x / 1.58x / 1.89x,
+`cascade` 1.22x / 1.55x / 1.67x, `mamba` 1.16x / 1.25x / 1.10x, `ngram` 1.07x / 1.19x / 1.50x
+([`fresh_b1_bf16_lockstep_avx512`](#fresh_b1_bf16_lockstep_avx512)); at batch 8 (the two plain
+engines within 0.7%) code and repetitive text paid for the model-free methods (`lookahead` 1.06x
+/ 1.31x, `suffix` 1.07x / 1.32x, `bandit_tree` 1.00x / 1.08x) and chat for none (`lookahead`
+0.96x, `suffix` 0.93x); `mamba` and `cascade` drafted next to nothing and ran 0.95x-0.99x
+([`fresh_b8_bf16_lockstep_avx512`](#fresh_b8_bf16_lockstep_avx512)). A batch-8 step costs
+~21-25 ms there, and a step that drafts nothing still costs a drafter method ~0.45 ms more than
+a plain one (goodput's bookkeeping and the runner hooks ~0.35 ms, vLLM's spec-decode metadata
+~0.1 ms; timed in process), on top of what a cold server pays to learn that its drafter does
+not pay (one row drafting at the first step, then a probe of four rows for two steps: ~67 ms for
+`mamba` on chat).
+On a 2-core AVX2-only host (no AVX-512, no AMX; plain bf16
 decodes at ~16 tok/s at batch 1 there), a bf16 step that verifies drafts is dear: a drafting step
 of vLLM's `suffix` cost ~+43 ms for 1.7 drafts on chat against a ~62 ms plain step, and at batch 1
 no method paid in bf16: every one, `suffix` included, ran 0.90x-1.01x plain, the two plain engines

@@ -87,8 +87,8 @@ a plain one (goodput's bookkeeping and the runner hooks ~0.35 ms, vLLM's spec-de
 ~0.1 ms; timed in process), on top of what a cold server pays to learn that its drafter does
 not pay (one row drafting at the first step, then a probe of four rows for two steps: ~67 ms for
 `mamba` on chat). Serve bf16 on such a host: on the same one, in float32 at batch 8, plain
-decoded chat at 197 tok/s (310 in bf16 in the lockstep run an hour before) and verifying 1 / 2
-/ 4 / 8 drafts per row cost 1.37x / 1.76x / 2.50x / 3.95x a plain step
+decoded chat at 197 tok/s (310 in bf16 in the batch-8 run above) and verifying 1 / 2 / 4 / 8
+drafts per row cost 1.37x / 1.76x / 2.50x / 3.95x a plain step
 ([`draft_cost_b8_f32_avx512`](#draft_cost_b8_f32_avx512)), against 1.24x / 1.54x / 2.08x / 3.23x
 in bf16 on another host of its kind.
 On a 2-core AVX2-only host (no AVX-512, no AMX; plain bf16

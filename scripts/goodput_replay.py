@@ -5,8 +5,9 @@ Every step the target "returns" plain's next token where the prefix is plain's t
 elsewhere, so the Jacobi window learns nothing real: `lookahead` is replayed without what its own
 iterations would add). A step costs `--step-ms` + `--token-ms` per token it runs (rows + drafts)
 + `--jump-ms` when it verifies any draft, on a simulated clock that goodput measures as it would
-a real one. A tuning tool for what drafts: no speed claim comes from it (`bench.py` makes those).
-Prompts are rebuilt from the run's own command line, answers re-tokenized from its text.
+a real one. As in the plugin, no draft past a request's max_tokens is verified. A tuning tool
+for what drafts: no speed claim comes from it (`bench.py` makes those). Prompts are rebuilt
+from the run's own command line, answers re-tokenized from its text.
 
     python scripts/bench.py --prompts heldout --n-per-category 24 --methods plain --no-plain-rerun \\
         --dtype float32 --batch-size 8 --json out/heldout_plain.json
@@ -105,6 +106,9 @@ def replay(method: str, prompts: list, answers: list, batch: int, cost: tuple, p
         drafted += n
         clock.t += step_s + token_s * (len(eng.reqs) + n) + (jump_s if n else 0.0)
         eng.step()
+        for r in eng.reqs.values():     # as the plugin: no draft past max_tokens is verified
+            if isinstance(r.drafts, list):
+                r.drafts = r.drafts[:max(r.max_tokens - len(r.out) - 1, 0)]
     for rid, r in eng.done.items():
         assert r.out == answers[int(rid[1:])][:len(r.out)], f"{method}: {rid} differs from plain"
     steps = sum(r.steps for r in eng.done.values())

@@ -84,7 +84,9 @@ def test_tree_tau_replay_walks_spine_and_leaves():
 
 def test_goodput_replay_prices_steps_on_its_own_clock():
     """A repetitive answer replayed through `lookahead`: the same tokens as plain (the replay
-    asserts it), fewer steps, and a set time below plain's where a draft costs little."""
+    asserts it), fewer steps, and a set time below plain's where a draft costs little. Every
+    draft it verifies is accepted: as in the plugin, none past max_tokens is verified (a chain
+    copied from the repeating text would run past the answer's end)."""
     spec = importlib.util.spec_from_file_location("goodput_replay",
                                                   Path(__file__).parent.parent / "scripts" / "goodput_replay.py")
     replay = importlib.util.module_from_spec(spec)
@@ -96,6 +98,7 @@ def test_goodput_replay_prices_steps_on_its_own_clock():
     plain = replay.replay("plain", prompts, answers, 2, cheap, params)
     la = replay.replay("lookahead", prompts, answers, 2, cheap, params)
     assert plain["tau"] == pytest.approx(1.0) and la["tau"] > 3 and la["seconds"] < plain["seconds"] / 2
+    assert la["precision"] == 1.0
 
 
 def test_interleave_memory_warning(tmp_path, capsys):

@@ -394,7 +394,8 @@ class LookaheadProposer(Proposer):
         chain = self._chain(st, t, ctx, k, srcs, starts, matches=True)
         drafts = chain + st.window[len(chain):min(self.window, k)]
         # token classes (for `Goodput`): the tree form's (source, continuation, depth) scheme,
-        # the window tail as source 3, the shared pool's tokens 4, a long text match's 5
+        # the window tail as source 3, the shared pool's tokens 4, a long text match's 5, a short
+        # match's tokens past its agreement 6
         D, first = self._DEPTHS, set(starts) | {len(chain)}
         self._classes = [(2 * (srcs[j] if j < len(chain) else 3) + (j not in first)) * D + min(j, D - 1)
                          for j in range(len(drafts))]
@@ -412,11 +413,12 @@ class LookaheadProposer(Proposer):
     #: tokens to be a class of their own (source 5): replayed over the fresh prompts, a match that
     #: agrees over 8 or more tokens had its first token accepted 0.9-1.0 of the time, one over 2
     #: ~0.5-0.65. `Goodput` prices each class by its own measured rate, so the long match's chain
-    #: is kept deep. A shorter match drafts no more tokens than it agrees over and ends the chain
-    #: (suffix decoding's draft length scaled by match length, factor 1): past that, its deep
-    #: tokens would share goodput's classes (depth is capped at `_DEPTHS`) with those of matches
-    #: that agree over more and be priced at their rate. Replayed over the held-out split
-    #: (`scripts/goodput_replay.py`), the set ran 2-5% faster at batch 8, within 1% at batch 1.
+    #: is kept deep. A shorter match's tokens past the ones it agrees over (suffix decoding's
+    #: draft length scaled by match length, factor 1) are a class of their own too (source 6):
+    #: priced at their own rate, not at that of matches that agree over more, they are kept where
+    #: a verified token is cheap and cut where it is dear. Replayed over the held-out split
+    #: (`scripts/goodput_replay.py`) against cutting such a match at its agreement: batch 1 ran
+    #: 0.5-3% faster, batch 8 within 1% (cost models of an AVX-512 bf16 and an AVX2 float32 host).
     LONG_MATCH = 8
 
     def _chain(self, st: _State, t: np.ndarray, ctx: list[int], k: int, srcs: list[int] | None = None,
@@ -424,37 +426,35 @@ class LookaheadProposer(Proposer):
         """The chain form's candidate: `_extend` repeated up to k tokens. `srcs`, if given,
         receives each token's source (0: prompt lookup, >= 2 tokens of context; 1: pool; 2:
         1-token prompt lookup; 4: the shared pool; 5: prompt lookup agreeing over `LONG_MATCH`
-        tokens); `starts` the index where each extension begins. `matches`: measure each text
-        match's agreement (source 5; a short match's length cap): the chain form's drafts."""
+        tokens; 6: a shorter match's tokens past its agreement); `starts` the index where each
+        extension begins. `matches`: measure each text match's agreement (sources 5 and 6): the
+        chain form's drafts."""
         chain: list[int] = []
         back = t[-self.LONG_MATCH:].tolist() if matches else None
         while len(chain) < k:
-            ext, last = self._extend(st, t, (ctx + chain)[-len(ctx):], k - len(chain), srcs,
-                                     None if back is None else (back + chain)[-self.LONG_MATCH:])
+            ext = self._extend(st, t, (ctx + chain)[-len(ctx):], k - len(chain), srcs,
+                               None if back is None else (back + chain)[-self.LONG_MATCH:])
             if not ext:
                 break
             if starts is not None:
                 starts.append(len(chain))
             chain += ext
-            if last:
-                break
         return chain
 
     def _extend(self, st: _State, t: np.ndarray, ctx: list[int], r: int, srcs: list[int] | None = None,
-                back: list[int] | None = None) -> tuple[list[int], bool]:
+                back: list[int] | None = None) -> list[int]:
         """The request's own text (>= 2 tokens of context), the shared pool (>= 2), the request's
         Jacobi/text pool, the shared pool (1 token of context), its own text (1 token). The
         shared pool gives one token per call, so the request's own text is tried again after it.
         `back`: the last `LONG_MATCH` tokens before the extension (text and chain so far); with
-        it a text match under `LONG_MATCH` is cut to the tokens it agrees over. Returns the
-        extension and whether the chain ends with it (a match so cut)."""
+        it a text match's agreement sets its classes (sources 5 and 6)."""
         ext, agree = self._lookup(st, t, ctx, r, max(self.pl_min, 2), back)   # >= 2 tokens of context
-        src, shared, last = 0, self.shared, False
+        src, shared, over = 0, self.shared, 0
         if ext and back is not None:
             if agree >= self.LONG_MATCH:
                 src = 5
-            elif len(ext) > agree:
-                ext, last = ext[:agree], True
+            else:
+                over = max(len(ext) - agree, 0)      # past what a short match agrees over
         if not ext:
             x = shared.next(ctx, 2, len(ctx), st.tenant) if shared is not None else None
             if x is not None:
@@ -466,8 +466,8 @@ class LookaheadProposer(Proposer):
             elif self.pl_min == 1:
                 ext, src = self._lookup(st, t, ctx, r, 1)[0], 2
         if srcs is not None:
-            srcs += [src] * len(ext)
-        return ext, last
+            srcs += [src] * (len(ext) - over) + [6] * over
+        return ext
 
     def _lookup(self, st: _State, t: np.ndarray, ctx: list[int], r: int, lo: int,
                 back: list[int] | None = None) -> tuple[list[int], int]:
@@ -507,8 +507,9 @@ class LookaheadProposer(Proposer):
     #: a window after it iterates on the tokens most likely to be accepted.
     window_at = "chain"
     #: prior rate of each chain-form token class (`Goodput`): index (2 * source + continuation) * D + depth
-    #: (sources 0..3 as the tree form's, 4: the shared pool, 5: a text match over `LONG_MATCH` tokens)
-    class_prior = np.repeat(np.array(_PRIOR[:4] + ((0.4, 0.6), (0.9, 0.9))).ravel(), _DEPTHS)
+    #: (sources 0..3 as the tree form's, 4: the shared pool, 5: a text match over `LONG_MATCH` tokens,
+    #: 6: a shorter match's tokens past its agreement)
+    class_prior = np.repeat(np.array(_PRIOR[:4] + ((0.4, 0.6), (0.9, 0.9), (0.1, 0.3))).ravel(), _DEPTHS)
 
     def _init_stats(self, st: _State) -> None:
         pri = list(self._PRIOR)

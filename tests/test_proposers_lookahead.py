@@ -207,25 +207,26 @@ def test_incremental_prompt_lookup_matches_ngram_lookup():
         assert got == ngram_lookup(t[:L], 5, 1, 3), L
 
 
-def test_a_long_text_match_is_a_class_of_its_own():
+def test_a_text_match_is_classed_by_how_far_it_agrees():
     """A chain copied from where the text agrees with the context over `LONG_MATCH` tokens or more
     carries source 5's classes (`Goodput` learns a rate for it: suffix decoding's match length,
-    as a class). One where it agrees over 2 carries source 0's and copies 2 tokens: the chain
-    ends there and the Jacobi window's tail (source 3) follows."""
+    as a class). One where it agrees over 2 is copied as far, its 2 tokens in source 0's classes
+    and those past them in source 6's, priced at their own rate. A cascade's level 0 copies
+    both alike."""
     p = LookaheadProposer(LookaheadConfig(4, shared_pool=0))
     long_ = list(range(10, 30))                       # 20 distinct tokens, repeated: agreement >= 8
     short = [1, 2, 3, 4, 5, 6, 7, 8, 9, 40, 41, 42, 43, 50, 51, 52, 53, 54, 55, 56, 57, 42, 43]   # 42 43: 2 agree
     D = p._DEPTHS
-    for text, src, copied in ((long_ + [0] + long_[:12], 5, 4), (short, 0, 2)):
+    for text, sources in ((long_ + [0] + long_[:12], [5, 5, 5, 5]), (short, [0, 0, 6, 6])):
         t = np.array(text)
         st = p.new_state(RequestStep("r", t, [int(t[-1])], []))
         p.observe(st, RequestStep("r", t, [int(t[-1])], []))
         p._classes = []
         drafts = p.propose_one(st, RequestStep("r", t, [int(t[-1])], []), 4)
-        assert drafts[:copied] == text[text.index(text[-1]) + 1:][:copied], (src, drafts)
-        assert p._classes[:copied] == [(2 * src + (j > 0)) * D + j for j in range(copied)], (src, p._classes)
-        assert all(c // D in (6, 7) for c in p._classes[copied:]), p._classes     # the window's tail
-        assert p.chain(st, t, 4) == text[text.index(text[-1]) + 1:][:4]         # a cascade's level 0: uncut
+        copied = text[text.index(text[-1]) + 1:][:4]
+        assert drafts == copied, (sources, drafts)
+        assert p._classes == [(2 * src + (j > 0)) * D + j for j, src in enumerate(sources)], p._classes
+        assert p.chain(st, t, 4) == copied
         p.release("r")
 
 

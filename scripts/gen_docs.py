@@ -106,9 +106,9 @@ method paid on chat / code / repetitive text: `suffix` 1.29x / 1.35x / 1.93x pla
 `mamba` 1.05x / 1.09x / 1.01x, `ngram` 1.00x / 1.02x / 1.32x. `lookahead`'s tau was level with or
 above suffix's (1.42 / 1.79 / 2.84 against 1.42 / 1.73 / 2.62), but it verified 1.5-1.8x as many
 drafts to get there (22-35% of its drafts accepted, suffix's 33-58%), so its steps cost more
-(chat: 66.8 ms a step against 58.6 ms). At the served defaults of the code as it is (a shorter
-text match than 8 tokens drafting no more tokens than it agrees over), the model-free methods at
-batch 1, the two plain engines 5.0 / 3.5 / 4.2% apart, ran: `lookahead` 1.26x / 1.64x / 1.92x at
+(chat: 66.8 ms a step against 58.6 ms). With a text match that agrees with the context over
+fewer than 8 tokens cut to the tokens it agrees over (the code of that run), the model-free
+methods at batch 1, the two plain engines 5.0 / 3.5 / 4.2% apart, ran: `lookahead` 1.26x / 1.64x / 1.92x at
 a tau of 1.42 / 1.81 / 2.65, `suffix` 1.24x / 1.53x / 1.90x at 1.42 / 1.73 / 2.62, `ngram` 0.87x
 / 1.04x / 1.17x ([`fresh_b1_f32_model_free_lockstep_avx2`](#fresh_b1_f32_model_free_lockstep_avx2));
 `lookahead` verified 1.65 / 2.33 / 3.55 drafts a step against suffix's 1.23 / 1.55 / 2.62 (1.92 /
@@ -125,7 +125,7 @@ there, with all seven methods at their served defaults and the two plain engines
 tokens/s (`lookahead` 0.92x, `suffix` 0.90x), code and repetitive text pay for the model-free
 ones (`lookahead` 1.13x / 1.39x, `suffix` 1.08x / 1.47x, `bandit_tree` 1.06x / 1.09x), and the
 drafter methods draft next to nothing and run 0.93x-0.98x (`cascade` drafted no token on code,
-`mamba` ran at tau 1.00). At the code as it is (a cold batch learns a drafter on a few rows),
+`mamba` ran at tau 1.00). With a cold batch learning a drafter on a few rows (as served),
 beside `ngram` and `suffix`, the two plain engines 5.5 / 2.9 / 3.5% apart, the drafter methods at
 batch 8 still draft next to nothing and still cost a little: `mamba` 0.96x / 1.01x / 0.98x and
 `cascade` 0.94x / 0.95x / 0.98x (tau 1.00), `bandit_tree` 0.93x / 1.11x / 1.20x, `suffix` 0.99x /
@@ -133,10 +133,10 @@ batch 8 still draft next to nothing and still cost a little: `mamba` 0.96x / 1.0
 A set's tokens/s is set by its last request: `lookahead`'s requests
 finished sooner on average in every category there (mean latency 1.02x / 1.27x / 1.34x plain's),
 chat included, but a token accepted for a request that finishes before the set's last one does
-not bring the set's end forward, and every drafting step costs the whole batch. At the served
-defaults of the code as it is (a text match that agrees with the context over 8 or more tokens
-priced as a class of its own, a shorter one drafting no more tokens than it agrees over), the
-model-free methods at batch 8, the two plain engines 1.6 / 3.4 / 4.7% apart, ran: `lookahead`
+not bring the set's end forward, and every drafting step costs the whole batch. With a text
+match that agrees with the context over 8 or more tokens priced as a class of its own and a
+shorter one cut to the tokens it agrees over (the code of that run), the model-free methods at
+batch 8, the two plain engines 1.6 / 3.4 / 4.7% apart, ran: `lookahead`
 0.96x / 1.13x / 1.35x at a tau of 1.28 / 1.59 / 2.34, `suffix` 0.86x / 1.05x / 1.31x at 1.42 /
 1.72 / 2.62, `ngram` 0.66x / 0.79x / 0.89x
 ([`fresh_b8_f32_model_free_lockstep_avx2`](#fresh_b8_f32_model_free_lockstep_avx2)).

@@ -91,6 +91,15 @@ decoded chat at 197 tok/s (310 in bf16 in the batch-8 run above) and verifying 1
 drafts per row cost 1.37x / 1.76x / 2.50x / 3.95x a plain step
 ([`draft_cost_b8_f32_avx512`](#draft_cost_b8_f32_avx512)), against 1.24x / 1.54x / 2.08x / 3.23x
 in bf16 on another host of its kind.
+With a short text match's tokens past its agreement priced as a class of their own (as
+served), the model-free methods ran, at batch 1 (the two plain engines 5.0 / 5.2 / 4.4% apart):
+`lookahead` 1.40x / 1.69x / 2.12x plain at a tau of 1.54 / 1.82 / 2.62, `suffix` 1.32x / 1.69x /
+2.09x at 1.43 / 1.84 / 2.42, `ngram` 1.00x / 1.15x / 1.46x
+([`fresh_b1_bf16_model_free_lockstep_avx512`](#fresh_b1_bf16_model_free_lockstep_avx512)); at
+batch 8 (the two plain engines 2.5 / 14 / 1.6% apart: code's ratios are noise there):
+`lookahead` 1.03x / 1.07x / 1.35x at 1.27 / 1.41 / 1.86, `suffix` 1.00x / 1.06x / 1.33x at 1.44 /
+1.65 / 2.23, `ngram` 0.66x / 0.77x / 0.92x
+([`fresh_b8_bf16_model_free_lockstep_avx512`](#fresh_b8_bf16_model_free_lockstep_avx512)).
 On a 2-core AVX2-only host (no AVX-512, no AMX; plain bf16
 decodes at ~16 tok/s at batch 1 there), a bf16 step that verifies drafts is dear: a drafting step
 of vLLM's `suffix` cost ~+43 ms for 1.7 drafts on chat against a ~62 ms plain step, and at batch 1

@@ -223,6 +223,9 @@ class Proposer:
     #: drafting cost (`Goodput` subtracts it), measured with `clock`
     once_seconds: float = 0.0
     clock = staticmethod(time.perf_counter)
+    #: A costly proposer's cheap part alone (a cascade's model-free level), called as `propose`
+    #: (it sets `classes` too), or None: what `Goodput` drafts while the costly part does not pay.
+    propose_fallback = None
 
     def __init__(self, num_speculative_tokens: int):
         if num_speculative_tokens < 1:
@@ -294,6 +297,11 @@ class Proposer:
 def ngram_lookup(tokens: Sequence[int] | np.ndarray, k: int, n_min: int = 1, n_max: int = 3) -> list[int]:
     """Prompt-lookup: find the latest earlier occurrence of the last n tokens (longest n first)
     and return up to k tokens that followed it."""
+    return ngram_match(tokens, k, n_min, n_max)[0]
+
+
+def ngram_match(tokens: Sequence[int] | np.ndarray, k: int, n_min: int = 1, n_max: int = 3) -> tuple[list[int], int]:
+    """`ngram_lookup`'s tokens and the length n of the match they follow (0: none)."""
     t = np.asarray(tokens)
     L = len(t)
     for n in range(min(n_max, L - 1), n_min - 1, -1):
@@ -303,5 +311,5 @@ def ngram_lookup(tokens: Sequence[int] | np.ndarray, k: int, n_min: int = 1, n_m
         hits = np.nonzero((win == suffix).all(axis=1))[0]
         if len(hits):
             start = hits[-1] + n
-            return t[start: start + k].tolist()
-    return []
+            return t[start: start + k].tolist(), n
+    return [], 0

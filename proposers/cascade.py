@@ -36,7 +36,7 @@ from vllm_spec_plugins.proposers.base import (
     StepContext,
     check_prompt_lookup,
     key,
-    ngram_lookup,
+    ngram_match,
 )
 from vllm_spec_plugins.proposers.lookahead import SHARED_POOL_HELP, LookaheadConfig, LookaheadProposer
 from vllm_spec_plugins.proposers.mamba import (
@@ -96,8 +96,14 @@ class CascadeConfig(MethodConfig):
 
 class CascadeProposer(Proposer):
     # Token classes for `Goodput`: the drafter's own tokens by its confidence (as `mamba`), then
-    # level-0 tokens by the probability the drafter gives them in its one-pass check.
+    # level-0 tokens by the probability the drafter gives them in its one-pass check; from
+    # `ALONE` on, level 0's tokens drafted for the target alone (`propose_fallback`).
     class_prior = np.concatenate([np.repeat(CONF_PRIOR, 4), np.repeat([0.5 * (0.4 + c) for c in CONF_PRIOR], 4)])
+    ALONE = len(class_prior)
+    #: the n-gram level alone, per match length 1, 2, >= 3: P(accepted | parent accepted) by depth
+    #: (vLLM's `ngram`, matches of 2-4 tokens, had 0.59 / 0.47 / 0.39 / 0.35 of its drafts per
+    #: depth accepted on the fresh chat prompts)
+    NGRAM_PRIOR = ((0.3, 0.6, 0.7, 0.7), (0.5, 0.7, 0.75, 0.8), (0.6, 0.75, 0.8, 0.85))
 
     def __init__(self, cfg: CascadeConfig, drafter: StateSpaceDrafter, max_requests: int = 8,
                  vocab_size: int | None = None, level0: LookaheadProposer | None = None):
@@ -117,6 +123,9 @@ class CascadeProposer(Proposer):
         self.level0 = level0
         if self.level0 is not None:              # its pool learns from the target's argmax rows
             self.needs_target_argmax = True
+        alone = np.ravel(self.NGRAM_PRIOR) if level0 is None else level0.class_prior
+        self.class_prior = np.concatenate([CascadeProposer.class_prior, alone])
+        self.alone: set[str] = set()             # requests whose last drafts were level 0's alone
         self._level0_once = 0.0                  # the lookahead level's one-off seconds (prompt indexing)
         inv = torch.full((int(drafter.draft_vocab.max()) + 1,), -1, dtype=torch.long)
         inv[drafter.draft_vocab] = torch.arange(len(drafter.draft_vocab))
@@ -147,6 +156,7 @@ class CascadeProposer(Proposer):
     def release(self, req_id: str) -> None:
         self.mamba.release(req_id)
         self.origin.pop(req_id, None)
+        self.alone.discard(req_id)
         if self.level0 is not None:
             self.level0.release(req_id)
 
@@ -160,17 +170,60 @@ class CascadeProposer(Proposer):
     def summary(self) -> dict:
         return self.level0.summary() if self.level0 is not None else {}
 
-    def _level0(self, req, k: int) -> list[int]:
+    def _level0(self, req, k: int, classed: bool = False):
+        """Level 0's chain; `classed`: (chain, its classes from `ALONE` on)."""
         la = self.level0
         if la is None:
-            return ngram_lookup(req.token_ids, k, self.ngram_min, self.ngram_max)
+            chain, n = ngram_match(req.token_ids, k, self.ngram_min, self.ngram_max)
+            base = self.ALONE + (min(n, len(self.NGRAM_PRIOR)) - 1) * 4
+            return (chain, [base + min(j, 3) for j in range(len(chain))]) if classed else chain
         st = la.states.get(req.req_id)
         if st is None:
             st = la.states[req.req_id] = la.new_state(req)
         once0 = la.once_seconds
         la.observe(st, req)                      # last step's verified drafts -> its pools
         self._level0_once += la.once_seconds - once0     # a new request's prompt indexing: one-off
-        return la.chain(st, req.token_ids, k)
+        if not classed:
+            return la.chain(st, req.token_ids, k)
+        chain, cls = la.classed_chain(st, req.token_ids, k)
+        return chain, [self.ALONE + c for c in cls]
+
+    def _own_accepted(self, req) -> int:
+        """Last step's accepted drafts that the drafter's snapshots hold (none when level 0
+        drafted alone), after crediting them to their level."""
+        a, rid = req.num_accepted, req.req_id
+        if rid in self.origin:                           # attribute last step's acceptance
+            o = self.origin.pop(rid)
+            self.stats["target_accepted_level0"] += min(a, o)
+            self.stats["target_accepted_drafter"] += max(a - o, 0)
+        if rid in self.alone:
+            self.alone.discard(rid)
+            return 0
+        return a
+
+    def propose_fallback(self, ctx: StepContext) -> list:
+        """Level 0's chains for the target, the drafter skipped: what `Goodput` drafts while the
+        drafter does not pay (at a batch size where a verified token is dear, on a CPU). The
+        drafter catches up on the tokens it skipped when it drafts again."""
+        for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
+            self.release(rid)
+        k = ctx.budget(self.k)
+        out: list[list[int]] = [[] for _ in ctx.requests]
+        self.classes = [[] for _ in ctx.requests]
+        t0 = time.perf_counter()
+        for i, req in enumerate(ctx.requests):
+            if not req.sampled:
+                continue
+            self.mamba.skip(req, self._own_accepted(req))
+            if k:
+                out[i], self.classes[i] = self._level0(req, k, classed=True)
+                if out[i]:
+                    self.alone.add(req.req_id)
+                    self.origin[req.req_id] = len(out[i])
+                    self.stats["level0_proposed"] += len(out[i])
+                    self.stats["target_drafts_level0"] += len(out[i])
+        self.stats["level0_s"] += time.perf_counter() - t0
+        return out
 
     @torch.no_grad()
     def propose(self, ctx: StepContext) -> list:
@@ -185,15 +238,11 @@ class CascadeProposer(Proposer):
         for i, req in enumerate(ctx.requests):
             if not req.sampled:
                 continue
-            a, rid = req.num_accepted, req.req_id
-            if rid in self.origin:                       # attribute last step's acceptance
-                o = self.origin.pop(rid)
-                self.stats["target_accepted_level0"] += min(a, o)
-                self.stats["target_accepted_drafter"] += max(a - o, 0)
+            a, rid = self._own_accepted(req), req.req_id
             if k == 0:
-                mp.skip(req)
+                mp.skip(req, a)
                 continue
-            snap.append(mp.before_last(req))
+            snap.append(mp.before_last(req, a))
             mp.ntok[rid] = len(req.token_ids)
             lvl0 = self._level0(req, k)
             rows.append(i), slots.append(mp.slots[rid])

@@ -45,6 +45,9 @@ with the probe). While off, `probe_rows` requests (in turn) draft again once the
 off never makes them) has fallen to ~1% of the time since the last one, two steps in a row: the
 first pays the catch-up, the second measures the steady cost. The wrapped proposer sees every
 step (with a budget of 0 while off) and catches up on what it skipped when it drafts again.
+A proposer with a cheap part of its own (a cascade's model-free level: `propose_fallback`) has
+that part draft alone while off, cut as a cheap proposer's drafts are; R_off is then the rate of
+those steps (their gain, kept drafts and jumps measured as R_on's are).
 
 Every `explore_every`-th step that drafts anyway, one request (in turn) gets one token past its
 cut, so classes below the current threshold keep being measured.
@@ -156,8 +159,8 @@ class Goodput(Proposer):
         self.sync = None                         # tensor parallel: rank 0's decisions for every rank
         # expected: accepted tokens the kept drafts were predicted to make; accepted: what the
         # target accepted of them (calibration of the acceptance model)
-        self.goodput_stats = {"steps": 0, "drafting_steps": 0, "probes": 0, "drafted": 0, "kept": 0,
-                              "explored": 0, "expected": 0.0, "accepted": 0}
+        self.goodput_stats = {"steps": 0, "drafting_steps": 0, "probes": 0, "fallback_steps": 0, "drafted": 0,
+                              "kept": 0, "explored": 0, "expected": 0.0, "accepted": 0}
         #: per step with live requests: (step, batch size, drafted, kept, price b * R of the last
         #: kept token's threshold); bounded
         self.history: deque = deque(maxlen=20000)
@@ -186,7 +189,8 @@ class Goodput(Proposer):
         s = self.buckets.get(b)
         if s is None:
             s = {"on_row_s": None, "off_row_s": None, "gain": None, "n": 0, "kept": None,
-                 "frac": None, "off_steps": 0, "depth": None, "probe_s": None, "reach": [None] * self.k}
+                 "frac": None, "off_steps": 0, "depth": None, "probe_s": None, "reach": [None] * self.k,
+                 "fb_gain": None, "fb_kept": None, "fb_frac": None, "fb_n": 0}
             near = self._nearest(b, "gain")
             if near is not None:
                 s |= {k: self.buckets[near][k] for k in ("on_row_s", "off_row_s", "gain", "n", "kept",
@@ -256,7 +260,11 @@ class Goodput(Proposer):
             return "on"
         step, on = costly
         jump = fit[2]
-        off = n / (step + n * (bucket["off_row_s"] or 0.0))
+        gain, verify = 0.0, 0.0
+        if bucket["fb_gain"] is not None:    # off, the cheap part drafts alone (`propose_fallback`)
+            gain = bucket["fb_gain"] * self.calibration()
+            verify = fit[1] * n * bucket["fb_kept"] + jump * bucket["fb_frac"]
+        off = n * (1 + gain) / (step + n * (bucket["off_row_s"] or 0.0) + verify)
         if on >= off:
             return "on"
         probe = bucket["probe_s"] or self._probe_estimate(n, bucket["on_row_s"], jump)
@@ -349,17 +357,20 @@ class Goodput(Proposer):
         elif mode == "blind":                # one row's chain is all `_allocate` keeps: one row drafts
             rows = [next((i for i in live if ctx.requests[i].tree_ok), live[0])]
         sub = ctx if len(rows) == len(ctx.requests) else replace(ctx, requests=[ctx.requests[i] for i in rows])
-        drafts = mode not in ("off", "plain")    # "plain": nothing is verified this step, nothing drafted
-        depth = self._depth(bucket, n, budget) if drafts else 0
+        # off: the proposer's cheap part alone drafts, where it has one (`propose_fallback`)
+        fallback = mode == "off" and bool(budget and n) and self.inner.propose_fallback is not None
+        drafts = mode not in ("off", "plain") or fallback    # "plain": nothing verified, nothing drafted
+        depth = budget if fallback else self._depth(bucket, n, budget) if drafts else 0
         if self.sync is not None:
             depth = self.sync(depth)
-        ran = {r.req_id for r in sub.requests if r.sampled} if depth else set()
+        ran = {r.req_id for r in sub.requests if r.sampled} if depth and not fallback else set()
         # a row that decoded last step without drafting catches up on what it skipped: a one-off
         resumed = any(rid in self._live and rid not in self._drafting for rid in ran)
         self._live, self._drafting = {ctx.requests[i].req_id for i in live}, ran
         once0 = self.inner.once_seconds
         t0 = self.clock()
-        drafted = self.inner.propose(replace(sub, num_speculative_tokens=depth))
+        drafted = (self.inner.propose_fallback if fallback else self.inner.propose)(
+            replace(sub, num_speculative_tokens=depth))
         # a request's one-off work (a draft model's scan of its prompt) is not a step's cost; a
         # probe's is the probe's: a drafter that stays off never scans the rows it probed
         once = self.inner.once_seconds - once0
@@ -393,6 +404,16 @@ class Goodput(Proposer):
             if mode == "off":
                 bucket["off_row_s"] = self._ema(bucket["off_row_s"], draft_s / n)
                 bucket["off_steps"] += 1
+                if fallback and not self._forced:    # what the cheap part alone makes: R_off's gain
+                    st["fallback_steps"] += 1
+                    st["drafted"] += sum(len(d) for d in drafted)
+                    st["kept"] += sum(kept)
+                    st["expected"] += self._last_gain
+                    bucket["fb_n"] += 1
+                    for f, v in (("fb_gain", self._last_gain / n), ("fb_kept", sum(kept) / n),
+                                 ("fb_frac", float(any(kept)))):
+                        bucket[f] = self._ema(bucket[f], v, 0.05, bucket["fb_n"])
+                    self._pending = self._last_gain
             elif drafts and not self._forced:
                 m = sum(1 for r in sub.requests if r.sampled)
                 st["drafting_steps"] += 1

@@ -387,18 +387,9 @@ class LookaheadProposer(Proposer):
     def propose_one(self, st: _State, req: RequestStep, k: int) -> "list[int] | DraftTree":
         if self.tree and req.tree_ok:
             return self.propose_tree(st, req, k)
-        t = req.token_ids
-        ctx = t[-max(self.pl_max, 1):].tolist()
-        srcs: list[int] = []
-        starts: list[int] = []
-        chain = self._chain(st, t, ctx, k, srcs, starts, matches=True)
+        chain, srcs, starts = self._classed_chain(st, req.token_ids, k)
         drafts = chain + st.window[len(chain):min(self.window, k)]
-        # token classes (for `Goodput`): the tree form's (source, continuation, depth) scheme,
-        # the window tail as source 3, the shared pool's tokens 4, a long text match's 5, a short
-        # match's tokens past its agreement 6
-        D, first = self._DEPTHS, set(starts) | {len(chain)}
-        self._classes = [(2 * (srcs[j] if j < len(chain) else 3) + (j not in first)) * D + min(j, D - 1)
-                         for j in range(len(drafts))]
+        self._classes = self._token_classes(srcs, starts, len(chain), len(drafts))
         if self.vocab_size is not None:
             for i, x in enumerate(drafts):
                 if not 0 <= x < self.vocab_size:
@@ -408,6 +399,25 @@ class LookaheadProposer(Proposer):
     def chain(self, st: _State, t: np.ndarray, k: int) -> list[int]:
         """The chain form's chain over text `t`, without the Jacobi window (a cascade's level 0)."""
         return self._chain(st, t, t[-max(self.pl_max, 1):].tolist(), k)
+
+    def classed_chain(self, st: _State, t: np.ndarray, k: int) -> tuple[list[int], list[int]]:
+        """The chain form's chain over text `t` without the window, and its token classes
+        (`class_prior`'s): a cascade's level 0 drafting for the target alone."""
+        chain, srcs, starts = self._classed_chain(st, t, k)
+        return chain, self._token_classes(srcs, starts, len(chain), len(chain))
+
+    def _classed_chain(self, st: _State, t: np.ndarray, k: int) -> tuple[list[int], list[int], list[int]]:
+        """The chain form's chain, each token's source and where each extension starts (`_chain`)."""
+        srcs: list[int] = []
+        starts: list[int] = []
+        return self._chain(st, t, t[-max(self.pl_max, 1):].tolist(), k, srcs, starts, matches=True), srcs, starts
+
+    def _token_classes(self, srcs: list[int], starts: list[int], m: int, n: int) -> list[int]:
+        """Classes of n drafts whose first m are the chain (for `Goodput`): the tree form's (source,
+        continuation, depth) scheme, the window tail as source 3, the shared pool's tokens 4, a
+        long text match's 5, a short match's tokens past its agreement 6."""
+        D, first = self._DEPTHS, set(starts) | {m}
+        return [(2 * (srcs[j] if j < m else 3) + (j not in first)) * D + min(j, D - 1) for j in range(n)]
 
     #: tokens of context that must agree at the occurrence a text match drafts from for its
     #: tokens to be a class of their own (source 5): replayed over the fresh prompts, a match that

@@ -125,3 +125,44 @@ def test_lookahead_level_drafts_from_the_targets_outputs_and_the_shared_pool():
     assert w[:2] == [30, x[0]], w
     plain = CascadeProposer(CascadeConfig(8, model="", drafter_steps=2, drafter_top_k=0), d)
     assert plain.propose(ctx(RequestStep("b", np.array([40, 21, 22]), [22], [])))[0][:2] != [30, x[0]]
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "c_step"])
+@pytest.mark.parametrize("level0", ["ngram", "lookahead"])
+def test_level0_drafting_alone_keeps_the_drafter_in_step(kernel, level0):
+    """While the drafter does not pay, `Goodput` has level 0 draft alone (`propose_fallback`);
+    steps of either kind, in any order, with level 0's drafts accepted in between: every chain the
+    drafter hands out afterwards is still its greedy chain over the request's tokens from scratch,
+    and level 0's tokens alone carry classes of their own."""
+    from vllm_spec_plugins.proposers.lookahead import LookaheadConfig, LookaheadProposer
+    d = drafter()
+    d.step_kernel = _kernel(kernel)
+    levels = [level0, "mamba"]
+    la = LookaheadProposer(LookaheadConfig(8, ngram=2, shared_pool=0)) if level0 == "lookahead" else None
+
+    class Alternating(Checked):
+        calls, alone_tokens = 0, 0
+
+        def propose(self, ctx):
+            self.calls += 1
+            if self.calls % 3 == 0:
+                return super().propose(ctx)
+            out = self.propose_fallback(ctx)
+            for chain, cls in zip(out, self.classes):
+                assert len(cls) == len(chain) and all(self.ALONE <= c < len(self.class_prior) for c in cls)
+                self.alone_tokens += len(chain)
+            return out
+
+    torch.manual_seed(7)
+    prompts, answers = {}, {}
+    for r in range(3):
+        p = torch.randint(0, V, (10,)).tolist()
+        prompts[f"r{r}"] = p + p[:4]                       # repeats: level 0 drafts, the target accepts
+        answers[f"r{r}"] = [t if j % 9 else (t + 1) % V for j, t in enumerate((p[4:] + p) * 4)][:48]
+    prop = Alternating(CascadeConfig(6, model="", levels=levels, drafter_steps=2, drafter_top_k=1), d,
+                       max_requests=3, level0=la)
+    acc, _ = _run(prop, d, prompts, answers)
+    s = prop.stats
+    assert prop.alone_tokens > 0 and s["target_accepted_level0"] > 0 and s["target_drafts_drafter"] > 0
+    prop.propose(StepContext([], set(prompts), set(), 6))
+    assert not prop.mamba.slots and not prop.alone

@@ -271,6 +271,36 @@ def test_a_costly_drafter_that_does_not_pay_is_switched_off_and_probed():
     assert 3 <= st["drafting_steps"] <= 12 and st["probes"] >= 2, st
 
 
+class CostlyWithFallback(Costly):
+    """`Costly`, with a cheap part of its own that is always right (`propose_fallback`; classes
+    4 + depth, apart from the drafter's 0 + depth)."""
+    class_prior = np.full(8, 0.3)
+
+    def __init__(self, refs, clock, cost):
+        super().__init__(refs, clock, cost)
+        self.oracle = OracleProposer(3, refs)
+
+    def propose_fallback(self, ctx):
+        out = self.oracle.propose(ctx)
+        self.classes = [[4 + j for j in range(len(d))] for d in out]
+        return out
+
+
+def test_while_a_costly_drafter_is_off_its_cheap_part_drafts_alone():
+    """The drafter does not pay and is off, as without a cheap part; its cheap part drafts alone
+    instead of nothing, its drafts cut and verified as a cheap proposer's, and the rate of those
+    steps is what the drafter is measured against (it stays off: probes only)."""
+    alone, steps_alone = run(lambda refs, clock: CostlyWithFallback(refs, clock, 5.0), 4, 200, fixed=10.0,
+                             per_token=1.0)
+    off, steps_off = run(lambda refs, clock: Costly(refs, clock, 5.0), 4, 200, fixed=10.0, per_token=1.0)
+    st = alone.goodput_stats
+    assert st["fallback_steps"] >= 20 and st["drafting_steps"] <= off.goodput_stats["drafting_steps"], st
+    assert off.goodput_stats["fallback_steps"] == 0
+    assert sum(steps_alone.values()) < 0.5 * sum(steps_off.values()), (steps_alone, steps_off)
+    b = alone.buckets[4]
+    assert b["fb_gain"] > 1.0 and b["fb_n"] == st["fallback_steps"], b
+
+
 def test_a_cold_server_learns_a_costly_drafter_on_a_few_rows():
     """At batch 8, what a cold server pays to learn a drafter (one that does not pay, at 1.25 s a
     row, a step being ~18 s): the blind first step drafts for the one row whose chain it keeps,

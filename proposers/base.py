@@ -301,15 +301,25 @@ def ngram_lookup(tokens: Sequence[int] | np.ndarray, k: int, n_min: int = 1, n_m
 
 
 def ngram_match(tokens: Sequence[int] | np.ndarray, k: int, n_min: int = 1, n_max: int = 3) -> tuple[list[int], int]:
-    """`ngram_lookup`'s tokens and the length n of the match they follow (0: none)."""
+    """`ngram_lookup`'s tokens and the length n of the match they follow (0: none). One pass
+    over the text: the earlier positions holding the last token, then how far back each agrees."""
     t = np.asarray(tokens)
     L = len(t)
-    for n in range(min(n_max, L - 1), n_min - 1, -1):
-        suffix = t[L - n:]
-        # windows of length n ending before the suffix itself
-        win = np.lib.stride_tricks.sliding_window_view(t[: L - 1], n)
-        hits = np.nonzero((win == suffix).all(axis=1))[0]
-        if len(hits):
-            start = hits[-1] + n
-            return t[start: start + k].tolist(), n
-    return [], 0
+    top = min(n_max, L - 1)
+    if top < n_min:
+        return [], 0
+    ends = np.flatnonzero(t[:L - 1] == t[L - 1])     # where a match of the last tokens could end
+    n_agree = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for j in range(1, top):
+        at = ends - j
+        alive &= at >= 0
+        alive[alive] = t[at[alive]] == t[L - 1 - j]
+        if not alive.any():
+            break
+        n_agree += alive
+    n = int(n_agree.max(initial=0))
+    if n < n_min:
+        return [], 0
+    start = int(ends[np.flatnonzero(n_agree >= n)[-1]]) + 1     # the latest of the longest
+    return t[start:start + k].tolist(), n

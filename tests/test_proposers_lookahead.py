@@ -765,3 +765,26 @@ def test_cycling_step_timer_files_each_length():
     assert min(len(s0), len(s2), len(s5)) >= 25
     med = lambda v: sorted(v)[len(v) // 2]    # noqa: E731
     assert (med(s0), med(s2), med(s5)) == (1.0, 3.0, 6.0)   # 1, 3, 6 target calls per step
+
+
+def test_ngram_match_is_the_latest_longest_match():
+    """`ngram_match` against the definition: for n from the longest down, the latest earlier
+    window equal to the last n tokens; the tokens after it and n."""
+    from vllm_spec_plugins.proposers.base import ngram_match
+
+    def reference(t, k, n_min, n_max):
+        L = len(t)
+        for n in range(min(n_max, L - 1), n_min - 1, -1):
+            hits = [i for i in range(L - n) if t[i:i + n] == t[L - n:]]
+            if hits:
+                return t[hits[-1] + n:hits[-1] + n + k], n
+        return [], 0
+
+    rng = np.random.default_rng(0)
+    for trial in range(3000):
+        L = int(rng.integers(1, 40))
+        t = rng.integers(0, int(rng.integers(2, 8)), L).tolist()
+        n_min = int(rng.integers(1, 4))
+        n_max = int(rng.integers(n_min, 6))
+        k = int(rng.integers(1, 9))
+        assert ngram_match(np.array(t), k, n_min, n_max) == reference(t, k, n_min, n_max), (t, k, n_min, n_max)

@@ -17,6 +17,10 @@ level-0 token it ranks in its top K: the n-gram level wins near-ties against the
 guess; with `drafter_top_k=0` every level-0 token is kept (the target judges them; the drafter
 only extends the chain past them).
 
+Under `Goodput` (the default), while the drafter does not pay for its own time (a batch where a
+verified token is dear), level 0 drafts for the target alone (`propose_fallback`), its tokens in
+classes of their own; the drafter catches up on the tokens it skipped when it drafts again.
+
 Snapshots as in `MambaProposer`: snapshot j = drafter state after the request's tokens and its first
 j drafts, for every draft handed out, so a rejection resumes with no recomputation.
 """

@@ -100,6 +100,13 @@ batch 8 (the two plain engines 2.5 / 14 / 1.6% apart: code's ratios are noise th
 `lookahead` 1.03x / 1.07x / 1.35x at 1.27 / 1.41 / 1.86, `suffix` 1.00x / 1.06x / 1.33x at 1.44 /
 1.65 / 2.23, `ngram` 0.66x / 0.77x / 0.92x
 ([`fresh_b8_bf16_model_free_lockstep_avx512`](#fresh_b8_bf16_model_free_lockstep_avx512)).
+With its n-gram level drafting for the target alone while its drafter does not pay (as served),
+`cascade` ran at batch 8 0.95x / 1.05x / 1.22x plain at a tau of 1.29 / 1.41 / 1.96 (the two
+plain engines 2.6 / 4.6 / 2.7% apart), where it had drafted next to nothing
+([`fresh_b8_bf16_cascade_lockstep_avx512`](#fresh_b8_bf16_cascade_lockstep_avx512)); at batch 1,
+where the drafter pays, 1.20x / 1.44x / 1.68x (plain engines 4.0 / 3.8 / 3.9% apart; plain ran
+~8% faster in this two-method run than in the all-seven one)
+([`fresh_b1_bf16_cascade_lockstep_avx512`](#fresh_b1_bf16_cascade_lockstep_avx512)).
 On a 2-core AVX2-only host (no AVX-512, no AMX; plain bf16
 decodes at ~16 tok/s at batch 1 there), a bf16 step that verifies drafts is dear: a drafting step
 of vLLM's `suffix` cost ~+43 ms for 1.7 drafts on chat against a ~62 ms plain step, and at batch 1

@@ -34,13 +34,16 @@ import torch
 
 from vllm_spec_plugins.proposers.base import (
     GOODPUT_HELP,
+    NGRAM_ALONE,
+    NGRAM_ALONE_PRIOR,
     BuildEnv,
     MethodConfig,
     Proposer,
     StepContext,
     check_prompt_lookup,
     key,
-    ngram_match,
+    ngram_alone,
+    ngram_lookup,
 )
 from vllm_spec_plugins.proposers.lookahead import SHARED_POOL_HELP, LookaheadConfig, LookaheadProposer
 from vllm_spec_plugins.proposers.mamba import (
@@ -66,8 +69,8 @@ class CascadeConfig(MethodConfig):
     drafter_steps: int = key(3, 0, 16, "sequential drafter steps after its one-pass check of the n-gram level")
     drafter_top_k: int = key(0, 0, 64, "the drafter keeps an n-gram token it ranks in its top k (1: only its own "
                              "greedy choice; 0: all)")
-    prompt_lookup_min: int = key(1, 1, 16, "n-gram level: min match length")
-    prompt_lookup_max: int = key(3, 1, 16, "n-gram level: max match length")
+    prompt_lookup_min: int = key(NGRAM_ALONE[0], 1, 16, "n-gram level: min match length")
+    prompt_lookup_max: int = key(NGRAM_ALONE[1], 1, 16, "n-gram level: max match length")
     shared_pool: int = key(65536, 0, 1 << 22, "'lookahead' level: " + SHARED_POOL_HELP)
     goodput: bool = key(True, help=GOODPUT_HELP)
 
@@ -104,10 +107,6 @@ class CascadeProposer(Proposer):
     # `ALONE` on, level 0's tokens drafted for the target alone (`propose_fallback`).
     class_prior = np.concatenate([np.repeat(CONF_PRIOR, 4), np.repeat([0.5 * (0.4 + c) for c in CONF_PRIOR], 4)])
     ALONE = len(class_prior)
-    #: the n-gram level alone, per match length 1, 2, >= 3: P(accepted | parent accepted) by depth
-    #: (vLLM's `ngram`, matches of 2-4 tokens, had 0.59 / 0.47 / 0.39 / 0.35 of its drafts per
-    #: depth accepted on the fresh chat prompts)
-    NGRAM_PRIOR = ((0.3, 0.6, 0.7, 0.7), (0.5, 0.7, 0.75, 0.8), (0.6, 0.75, 0.8, 0.85))
 
     def __init__(self, cfg: CascadeConfig, drafter: StateSpaceDrafter, max_requests: int = 8,
                  vocab_size: int | None = None, level0: LookaheadProposer | None = None):
@@ -127,9 +126,8 @@ class CascadeProposer(Proposer):
         self.level0 = level0
         if self.level0 is not None:              # its pool learns from the target's argmax rows
             self.needs_target_argmax = True
-        alone = np.ravel(self.NGRAM_PRIOR) if level0 is None else level0.class_prior
+        alone = np.ravel(NGRAM_ALONE_PRIOR) if level0 is None else level0.class_prior
         self.class_prior = np.concatenate([CascadeProposer.class_prior, alone])
-        self.alone: set[str] = set()             # requests whose last drafts were level 0's alone
         self._level0_once = 0.0                  # the lookahead level's one-off seconds (prompt indexing)
         inv = torch.full((int(drafter.draft_vocab.max()) + 1,), -1, dtype=torch.long)
         inv[drafter.draft_vocab] = torch.arange(len(drafter.draft_vocab))
@@ -160,7 +158,6 @@ class CascadeProposer(Proposer):
     def release(self, req_id: str) -> None:
         self.mamba.release(req_id)
         self.origin.pop(req_id, None)
-        self.alone.discard(req_id)
         if self.level0 is not None:
             self.level0.release(req_id)
 
@@ -178,9 +175,9 @@ class CascadeProposer(Proposer):
         """Level 0's chain; `classed`: (chain, its classes from `ALONE` on)."""
         la = self.level0
         if la is None:
-            chain, n = ngram_match(req.token_ids, k, self.ngram_min, self.ngram_max)
-            base = self.ALONE + (min(n, len(self.NGRAM_PRIOR)) - 1) * 4
-            return (chain, [base + min(j, 3) for j in range(len(chain))]) if classed else chain
+            if classed:
+                return ngram_alone(req.token_ids, k, self.ngram_min, self.ngram_max, self.ALONE)
+            return ngram_lookup(req.token_ids, k, self.ngram_min, self.ngram_max)
         st = la.states.get(req.req_id)
         if st is None:
             st = la.states[req.req_id] = la.new_state(req)
@@ -200,10 +197,7 @@ class CascadeProposer(Proposer):
             o = self.origin.pop(rid)
             self.stats["target_accepted_level0"] += min(a, o)
             self.stats["target_accepted_drafter"] += max(a - o, 0)
-        if rid in self.alone:
-            self.alone.discard(rid)
-            return 0
-        return a
+        return self.mamba.own_accepted(req, a)
 
     def propose_fallback(self, ctx: StepContext) -> list:
         """Level 0's chains for the target, the drafter skipped: what `Goodput` drafts while the
@@ -222,7 +216,7 @@ class CascadeProposer(Proposer):
             if k:
                 out[i], self.classes[i] = self._level0(req, k, classed=True)
                 if out[i]:
-                    self.alone.add(req.req_id)
+                    self.mamba.alone.add(req.req_id)
                     self.origin[req.req_id] = len(out[i])
                     self.stats["level0_proposed"] += len(out[i])
                     self.stats["target_drafts_level0"] += len(out[i])

@@ -25,7 +25,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vllm_spec_plugins.proposers.base import GOODPUT_HELP, BuildEnv, MethodConfig, Proposer, StepContext, key
+from vllm_spec_plugins.proposers.base import (
+    GOODPUT_HELP,
+    NGRAM_ALONE,
+    NGRAM_ALONE_PRIOR,
+    BuildEnv,
+    MethodConfig,
+    Proposer,
+    StepContext,
+    key,
+    ngram_alone,
+)
 
 #: help text of a `model` key naming a Mamba drafter
 DRAFTER_HELP = ("Mamba drafter folder made by `python -m vllm_spec_plugins.tools.drafters --drafter mamba`, or "
@@ -410,9 +420,13 @@ class MambaProposer(Proposer):
     the last (snapshot[accepted], or a short catch-up scan, see `before_last`), then the last
     token in, then k recurrent drafting steps (static shapes, no host sync inside the loop; ids
     and confidences stay on the device until one sync after it). Steps without drafts (budget 0)
-    cost nothing: the next drafting step scans the tokens it missed from the last valid snapshot."""
+    cost nothing: the next drafting step scans the tokens it missed from the last valid snapshot.
+    While the drafter does not pay (`Goodput`), n-gram lookup in the request's own text drafts
+    alone (`propose_fallback`); the drafter catches up on those tokens as on skipped ones."""
 
-    class_prior = np.repeat(CONF_PRIOR, 4)          # class = confidence bin * DEPTHS + depth
+    # class = confidence bin * DEPTHS + depth; from `ALONE` on, n-gram lookup's tokens drafted alone
+    class_prior = np.concatenate([np.repeat(CONF_PRIOR, 4), np.ravel(NGRAM_ALONE_PRIOR)])
+    ALONE = len(CONF_PRIOR) * 4
     #: slots allocated up front (each k+1 snapshots, ~0.6 MiB apiece for the shipped drafter): not
     #: vLLM's max_num_seqs, which defaults to hundreds
     PREALLOC = 16
@@ -437,6 +451,9 @@ class MambaProposer(Proposer):
         self.states = self.slots                   # what plugin_state_summary counts
         self.spine: dict[str, list[int]] = {}     # req_id -> greedy chain of the last tree drafted (`draft_tree`)
         self.last_snap: dict[str, int] = {}       # req_id -> last valid snapshot, when below k (`_draft`)
+        #: requests whose last drafts the drafter did not make (`propose_fallback`, a cascade's
+        #: level 0 alone): its snapshots hold none of them
+        self.alone: set[str] = set()
         #: seconds of per-request one-off work (scans of a whole request), which `Goodput` does
         #: not count as a step's drafting cost
         self.once_seconds = 0.0
@@ -465,6 +482,7 @@ class MambaProposer(Proposer):
         self.ntok.pop(req_id, None)
         self.spine.pop(req_id, None)
         self.last_snap.pop(req_id, None)
+        self.alone.discard(req_id)
         if slot is not None:
             self.free.append(slot)
 
@@ -536,6 +554,32 @@ class MambaProposer(Proposer):
             return 0
         return s
 
+    def own_accepted(self, req, a: int | None = None) -> int | None:
+        """`a` (last step's accepted drafts the snapshots hold; None: all accepted), or 0 when
+        the drafter did not make last step's drafts (`alone`)."""
+        if req.req_id in self.alone:
+            self.alone.discard(req.req_id)
+            return 0
+        return a
+
+    def propose_fallback(self, ctx: StepContext) -> list:
+        """N-gram lookup in each request's own text, the drafter skipped: what `Goodput` drafts
+        while the drafter does not pay. Classes from `ALONE` on."""
+        for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
+            self.release(rid)
+        k = ctx.budget(self.k)
+        out: list[list[int]] = [[] for _ in ctx.requests]
+        self.classes = [[] for _ in ctx.requests]
+        for i, req in enumerate(ctx.requests):
+            if not req.sampled:
+                continue
+            self.skip(req, self.own_accepted(req))
+            if k:
+                out[i], self.classes[i] = ngram_alone(req.token_ids, k, *NGRAM_ALONE, self.ALONE)
+                if out[i]:
+                    self.alone.add(req.req_id)
+        return out
+
     def skip(self, req, a: int | None = None) -> None:
         """A step without drafts for this request: keep the state of what was accepted."""
         prev, a = self.ntok.get(req.req_id), req.num_accepted if a is None else a
@@ -579,6 +623,7 @@ class MambaProposer(Proposer):
             if tree:
                 a = self._on_spine(req)
                 self.spine.pop(req.req_id, None)
+            a = self.own_accepted(req, a)
             if i not in rows:
                 self.skip(req, a)
                 continue

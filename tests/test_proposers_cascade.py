@@ -165,4 +165,4 @@ def test_level0_drafting_alone_keeps_the_drafter_in_step(kernel, level0):
     s = prop.stats
     assert prop.alone_tokens > 0 and s["target_accepted_level0"] > 0 and s["target_drafts_drafter"] > 0
     prop.propose(StepContext([], set(prompts), set(), 6))
-    assert not prop.mamba.slots and not prop.alone
+    assert not prop.mamba.slots and not prop.mamba.alone

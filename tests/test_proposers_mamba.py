@@ -286,3 +286,42 @@ def test_draft_tree_equals_scratch_after_siblings_skips_and_rejections(kernel):
     prop.draft_tree(StepContext([], {"a"}, set(), depth), set(), depth, w)
     prop.release("a")
     assert not prop.slots and not prop.spine and not prop.ntok
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "c_step"])
+def test_ngram_lookup_drafting_alone_keeps_the_drafter_in_step(kernel):
+    """While the drafter does not pay, `Goodput` has n-gram lookup draft alone
+    (`propose_fallback`); with such steps in between, their drafts accepted, every chain the
+    drafter hands out is still its greedy chain over the request's tokens from scratch."""
+    from tests.test_proposers_cascade import greedy_chain
+    d = drafter()
+    d.step_kernel = _kernel(kernel)
+
+    class Alternating(MambaProposer):
+        calls, alone_tokens = 0, 0
+
+        def propose(self, ctx):
+            self.calls += 1
+            if self.calls % 3:
+                out = self.propose_fallback(ctx)
+                for chain, cls in zip(out, self.classes):
+                    assert len(cls) == len(chain) and all(self.ALONE <= c < len(self.class_prior) for c in cls)
+                    self.alone_tokens += len(chain)
+                return out
+            out = super().propose(ctx)
+            for req, chain in zip(ctx.requests, out):
+                if chain:
+                    assert chain == greedy_chain(self.d, req.token_ids, len(chain)), req.req_id
+            return out
+
+    torch.manual_seed(7)
+    prompts, answers = {}, {}
+    for r in range(3):
+        p = torch.randint(0, V, (10,)).tolist()
+        prompts[f"r{r}"] = p + p[:4]                       # repeats: the lookup drafts, the target accepts
+        answers[f"r{r}"] = [t if j % 9 else (t + 1) % V for j, t in enumerate((p[4:] + p) * 4)][:48]
+    prop = Alternating(4, d, max_requests=3)
+    acc, _ = _run(prop, d, prompts, answers)
+    assert prop.alone_tokens > 0 and sum(acc.values()) > 0
+    prop.propose(StepContext([], set(prompts), set(), 4))
+    assert not prop.slots and not prop.alone

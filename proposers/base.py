@@ -223,8 +223,9 @@ class Proposer:
     #: drafting cost (`Goodput` subtracts it), measured with `clock`
     once_seconds: float = 0.0
     clock = staticmethod(time.perf_counter)
-    #: A costly proposer's cheap part alone (a cascade's model-free level), called as `propose`
-    #: (it sets `classes` too), or None: what `Goodput` drafts while the costly part does not pay.
+    #: A costly proposer's cheap part alone (a cascade's model-free level, n-gram lookup beside a
+    #: Mamba drafter), called as `propose` (it sets `classes` too), or None: what `Goodput` drafts
+    #: while the costly part does not pay.
     propose_fallback = None
 
     def __init__(self, num_speculative_tokens: int):

@@ -45,9 +45,10 @@ with the probe). While off, `probe_rows` requests (in turn) draft again once the
 off never makes them) has fallen to ~1% of the time since the last one, two steps in a row: the
 first pays the catch-up, the second measures the steady cost. The wrapped proposer sees every
 step (with a budget of 0 while off) and catches up on what it skipped when it drafts again.
-A proposer with a cheap part of its own (a cascade's model-free level: `propose_fallback`) has
-that part draft alone while off, cut as a cheap proposer's drafts are; R_off is then the rate of
-those steps (their gain, kept drafts and jumps measured as R_on's are).
+A proposer with a cheap part of its own (`propose_fallback`: a cascade's model-free level, n-gram
+lookup beside a Mamba drafter) has that part draft alone while off, cut as a cheap proposer's
+drafts are; R_off is then the rate of those steps (their gain, kept drafts and jumps, measured
+as R_on's are).
 
 Every `explore_every`-th step that drafts anyway, one request (in turn) gets one token past its
 cut, so classes below the current threshold keep being measured.

@@ -72,22 +72,25 @@ Read a row as: where the price of the drafts a method keeps stays under its tau,
 plain. At batch 1 on AVX-512 a step that verifies up to 8 drafts costs little more than a plain
 step (and not linearly: 1 draft costs more than 2 or 4 there), so every method that drafts
 pays; at batch 8 every row's drafts add up, and only well-accepted ones pay (goodput switches the
-drafter-based methods off there). With all seven methods at their served defaults in one run
-there, in bf16, at batch 1 (the two plain engines 7.1 / 3.4 / 3.7% apart) every method paid on
-chat / code / repetitive text: `lookahead` 1.48x / 1.63x / 2.09x plain at a tau of 1.57 / 1.74 /
-2.49, `suffix` 1.33x / 1.64x / 2.03x at 1.43 / 1.84 / 2.42, `bandit_tree` 1.41x / 1.58x / 1.89x,
-`cascade` 1.22x / 1.55x / 1.67x, `mamba` 1.16x / 1.25x / 1.10x, `ngram` 1.07x / 1.19x / 1.50x
-([`fresh_b1_bf16_lockstep_avx512`](#fresh_b1_bf16_lockstep_avx512)); at batch 8 (the two plain
-engines within 0.7%) code and repetitive text paid for the model-free methods (`lookahead` 1.06x
-/ 1.31x, `suffix` 1.07x / 1.32x, `bandit_tree` 1.00x / 1.08x) and chat for none (`lookahead`
-0.96x, `suffix` 0.93x); `mamba` and `cascade` drafted next to nothing and ran 0.95x-0.99x
-([`fresh_b8_bf16_lockstep_avx512`](#fresh_b8_bf16_lockstep_avx512)). A batch-8 step costs
-~21-25 ms there, and a step that drafts nothing still costs a drafter method ~0.45 ms more than
-a plain one (goodput's bookkeeping and the runner hooks ~0.35 ms, vLLM's spec-decode metadata
-~0.1 ms; timed in process), on top of what a cold server pays to learn that its drafter does
-not pay (one row drafting at the first step, then a probe of four rows for two steps: ~67 ms for
-`mamba` on chat). Serve bf16 on such a host: on the same one, in float32 at batch 8, plain
-decoded chat at 197 tok/s (310 in bf16 in the batch-8 run above) and verifying 1 / 2 / 4 / 8
+drafter-based methods' drafters off there). With all seven methods at their served defaults in
+one run there, in bf16, at batch 1 (the two plain engines 4.0 / 3.4 / 3.2% apart) every method
+of the plugin paid on chat / code / repetitive text: `lookahead` 1.40x / 1.65x / 2.10x plain at
+a tau of 1.58 / 1.79 / 2.52, `suffix` 1.33x / 1.68x / 2.12x at 1.43 / 1.84 / 2.42, `bandit_tree`
+1.39x / 1.59x / 1.82x, `mamba` 1.30x / 1.57x / 1.98x, `cascade` 1.29x / 1.46x / 1.67x, `ngram`
+0.99x / 1.13x / 1.46x ([`fresh_b1_bf16_lockstep_avx512`](#fresh_b1_bf16_lockstep_avx512)); at
+batch 8 (the two plain engines 5.1 / 6.0 / 3.5% apart) code and repetitive text paid for every
+method of the plugin (`lookahead` 1.07x / 1.25x, `mamba` 1.07x / 1.26x, `cascade` 1.06x / 1.29x,
+`bandit_tree` 1.01x / 1.18x; `suffix` 1.01x / 1.23x) and chat for none (0.94x-0.97x, `suffix`
+0.95x: within the plain engines' spread)
+([`fresh_b8_bf16_lockstep_avx512`](#fresh_b8_bf16_lockstep_avx512)). `mamba` and `cascade` pay
+there because n-gram lookup drafts alone while their drafter does not pay; with the drafter
+merely off they had drafted next to nothing at batch 8 and run 0.95x-0.99x (a step that drafts
+nothing cost a drafter method ~0.45 ms more than a plain one, on top of ~67 ms of probes on a
+cold server for `mamba` on chat), and at batch 1 `mamba` ran 1.16x / 1.25x / 1.10x. On chat at
+batch 8 a set of eight requests ends with its slowest: there `lookahead`, `mamba` and `cascade`
+finished requests 1.03x-1.06x sooner on average than plain, the set's last one a little later:
+every step paid for all rows' drafts. Serve bf16 on such a host: on the same one, in float32 at
+batch 8, plain decoded chat at 197 tok/s (309 in bf16 in the batch-8 run above) and verifying 1 / 2 / 4 / 8
 drafts per row cost 1.37x / 1.76x / 2.50x / 3.95x a plain step
 ([`draft_cost_b8_f32_avx512`](#draft_cost_b8_f32_avx512)), against 1.24x / 1.54x / 2.08x / 3.23x
 in bf16 on another host of its kind.
@@ -100,13 +103,6 @@ batch 8 (the two plain engines 2.5 / 14 / 1.6% apart: code's ratios are noise th
 `lookahead` 1.03x / 1.07x / 1.35x at 1.27 / 1.41 / 1.86, `suffix` 1.00x / 1.06x / 1.33x at 1.44 /
 1.65 / 2.23, `ngram` 0.66x / 0.77x / 0.92x
 ([`fresh_b8_bf16_model_free_lockstep_avx512`](#fresh_b8_bf16_model_free_lockstep_avx512)).
-With its n-gram level drafting for the target alone while its drafter does not pay (as served),
-`cascade` ran at batch 8 0.95x / 1.05x / 1.22x plain at a tau of 1.29 / 1.41 / 1.96 (the two
-plain engines 2.6 / 4.6 / 2.7% apart), where it had drafted next to nothing
-([`fresh_b8_bf16_cascade_lockstep_avx512`](#fresh_b8_bf16_cascade_lockstep_avx512)); at batch 1,
-where the drafter pays, 1.20x / 1.44x / 1.68x (plain engines 4.0 / 3.8 / 3.9% apart; plain ran
-~8% faster in this two-method run than in the all-seven one)
-([`fresh_b1_bf16_cascade_lockstep_avx512`](#fresh_b1_bf16_cascade_lockstep_avx512)).
 On a 2-core AVX2-only host (no AVX-512, no AMX; plain bf16
 decodes at ~16 tok/s at batch 1 there), a bf16 step that verifies drafts is dear: a drafting step
 of vLLM's `suffix` cost ~+43 ms for 1.7 drafts on chat against a ~62 ms plain step, and at batch 1

@@ -83,11 +83,11 @@ method of the plugin (`lookahead` 1.07x / 1.25x, `mamba` 1.07x / 1.26x, `cascade
 `bandit_tree` 1.01x / 1.18x; `suffix` 1.01x / 1.23x) and chat for none (0.94x-0.97x, `suffix`
 0.95x: within the plain engines' spread)
 ([`fresh_b8_bf16_lockstep_avx512`](#fresh_b8_bf16_lockstep_avx512)). `mamba` and `cascade` pay
-there because n-gram lookup drafts alone while their drafter does not pay; with the drafter
-merely off they had drafted next to nothing at batch 8 and run 0.95x-0.99x (a step that drafts
-nothing cost a drafter method ~0.45 ms more than a plain one, on top of ~67 ms of probes on a
-cold server for `mamba` on chat), and at batch 1 `mamba` ran 1.16x / 1.25x / 1.10x. On chat at
-batch 8 a set of eight requests ends with its slowest: there `lookahead`, `mamba` and `cascade`
+there because n-gram lookup drafts alone while their drafter does not pay: a drafter merely
+switched off drafts nothing and still costs each step ~0.45 ms more than a plain one (goodput's
+bookkeeping and the runner hooks, vLLM's spec-decode metadata; timed in process), and a cold
+server ~67 ms of probes (`mamba` on chat). On chat at batch 8 a set of eight requests ends
+with its slowest: there `lookahead`, `mamba` and `cascade`
 finished requests 1.03x-1.06x sooner on average than plain, the set's last one a little later:
 every step paid for all rows' drafts. Serve bf16 on such a host: on the same one, in float32 at
 batch 8, plain decoded chat at 197 tok/s (309 in bf16 in the batch-8 run above) and verifying 1 / 2 / 4 / 8

@@ -309,8 +309,9 @@ def ngram_alone(tokens: Sequence[int] | np.ndarray, k: int, n_min: int, n_max: i
     """Prompt lookup's chain and its token classes: `first_class` + (match length - 1) * 4 +
     depth, in the layout of `NGRAM_ALONE_PRIOR`."""
     chain, n = ngram_match(tokens, k, n_min, n_max)
-    base = first_class + (min(n, len(NGRAM_ALONE_PRIOR)) - 1) * 4
-    return chain, [base + min(j, 3) for j in range(len(chain))]
+    depths = len(NGRAM_ALONE_PRIOR[0])
+    base = first_class + (min(n, len(NGRAM_ALONE_PRIOR)) - 1) * depths
+    return chain, [base + min(j, depths - 1) for j in range(len(chain))]
 
 
 def ngram_lookup(tokens: Sequence[int] | np.ndarray, k: int, n_min: int = 1, n_max: int = 3) -> list[int]:

@@ -171,23 +171,29 @@ class CascadeProposer(Proposer):
     def summary(self) -> dict:
         return self.level0.summary() if self.level0 is not None else {}
 
-    def _level0(self, req, k: int, classed: bool = False):
-        """Level 0's chain; `classed`: (chain, its classes from `ALONE` on)."""
-        la = self.level0
-        if la is None:
-            if classed:
-                return ngram_alone(req.token_ids, k, self.ngram_min, self.ngram_max, self.ALONE)
+    def _level0(self, req, k: int) -> list[int]:
+        """Level 0's chain, for the drafter to check."""
+        if self.level0 is None:
             return ngram_lookup(req.token_ids, k, self.ngram_min, self.ngram_max)
+        return self.level0.chain(self._lookahead_state(req), req.token_ids, k)
+
+    def _level0_alone(self, req, k: int) -> tuple[list[int], list[int]]:
+        """Level 0's chain for the target alone, and its classes (from `ALONE` on)."""
+        if self.level0 is None:
+            return ngram_alone(req.token_ids, k, self.ngram_min, self.ngram_max, self.ALONE)
+        chain, cls = self.level0.classed_chain(self._lookahead_state(req), req.token_ids, k)
+        return chain, [self.ALONE + c for c in cls]
+
+    def _lookahead_state(self, req):
+        """The lookahead level's state of `req`, after last step's verified drafts."""
+        la = self.level0
         st = la.states.get(req.req_id)
         if st is None:
             st = la.states[req.req_id] = la.new_state(req)
         once0 = la.once_seconds
         la.observe(st, req)                      # last step's verified drafts -> its pools
         self._level0_once += la.once_seconds - once0     # a new request's prompt indexing: one-off
-        if not classed:
-            return la.chain(st, req.token_ids, k)
-        chain, cls = la.classed_chain(st, req.token_ids, k)
-        return chain, [self.ALONE + c for c in cls]
+        return st
 
     def _own_accepted(self, req) -> int:
         """Last step's accepted drafts that the drafter's snapshots hold (none when level 0
@@ -214,7 +220,7 @@ class CascadeProposer(Proposer):
                 continue
             self.mamba.skip(req, self._own_accepted(req))
             if k:
-                out[i], self.classes[i] = self._level0(req, k, classed=True)
+                out[i], self.classes[i] = self._level0_alone(req, k)
                 if out[i]:
                     self.mamba.alone.add(req.req_id)
                     self.origin[req.req_id] = len(out[i])

@@ -5,6 +5,7 @@ from .tree import (
     PackedTrees,
     coupled_accept,
     greedy_accept,
+    greedy_chain,
     pack_trees,
     reference_tree_attention,
     row_argmax,
@@ -14,6 +15,6 @@ from .tree import (
 )
 
 __all__ = [
-    "AcceptResult", "DraftTree", "PackedTrees", "coupled_accept", "greedy_accept", "pack_trees",
+    "AcceptResult", "DraftTree", "PackedTrees", "coupled_accept", "greedy_accept", "greedy_chain", "pack_trees",
     "reference_tree_attention", "row_argmax", "sampled_accept", "tree_attention_bias", "verify_batch",
 ]

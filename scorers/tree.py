@@ -249,6 +249,18 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x.numpy()).argmax(-1))
 
 
+def greedy_chain(drafts: Sequence[int], argmax: Sequence[int]) -> list[int]:
+    """The tokens greedy verification of a chain emits: its drafts while each is the target's
+    argmax before it, then the argmax at the first that is not (or after the last).
+    argmax: len(drafts) + 1 ids, entry i the target's after the prefix + drafts[:i]."""
+    if len(argmax) != len(drafts) + 1:
+        raise ValueError(f"expected {len(drafts) + 1} target ids, got {len(argmax)}")
+    n = 0
+    while n < len(drafts) and drafts[n] == argmax[n]:
+        n += 1
+    return [*drafts[:n], argmax[n]]
+
+
 def greedy_accept(tree: DraftTree, target_logits: torch.Tensor | list[int]) -> AcceptResult:
     """target_logits: [1+n, vocab] logits, or the [1+n] target argmax ids (tensor or list)."""
     if len(target_logits) != len(tree) + 1:

@@ -30,9 +30,29 @@ SYMBOLS: dict[str, dict[str, tuple[str, ...]]] = {
         "InputBatch.req_ids": (), "InputBatch.num_reqs": (),
         "InputBatch.frequency_penalties_reqs": (), "InputBatch.presence_penalties_reqs": (),
         "InputBatch.repetition_penalties_reqs": (), "InputBatch.has_allowed_token_ids": (),
+        "InputBatch.update_async_output_token_ids": ("self",),
     },
     "vllm.v1.spec_decode.metadata": {
-        "SpecDecodeMetadata.num_draft_tokens": (),
+        "SpecDecodeMetadata.num_draft_tokens": (), "SpecDecodeMetadata.draft_token_ids": (),
+    },
+    # an all-greedy step's verdict without vLLM's rejection sampler (`tree_step.greedy_sample`)
+    "vllm.v1.outputs": {
+        "SamplerOutput": (),
+    },
+    "vllm.v1.sample.metadata": {
+        "SamplingMetadata.all_greedy": (), "SamplingMetadata.max_num_logprobs": (),
+        "SamplingMetadata.no_penalties": (), "SamplingMetadata.allowed_token_ids_mask": (),
+        "SamplingMetadata.bad_words_token_ids": (), "SamplingMetadata.logitsprocs": (),
+        "SamplingMetadata.thinking_budget_state_holder": (),
+    },
+    "vllm.v1.sample.logits_processor.builtin": {
+        "LogitBiasLogitsProcessor": (), "MinTokensLogitsProcessor": (),
+    },
+    "vllm.v1.sample.logits_processor.state": {
+        "LogitsProcessors.non_argmax_invariant": (),
+    },
+    "vllm.v1.sample.thinking_budget_state": {
+        "ThinkingBudgetStateHolder.has_tracked_requests": ("self",),
     },
     "vllm.v1.sample.sampler": {
         "Sampler.topk_topp_sampler": (),
@@ -123,7 +143,18 @@ def apply(set_) -> None:
             except Exception as e:  # noqa: BLE001
                 step.failed = True
                 drafter.fault("accept", e, step.req_ids.values())
-        out = orig_sample(self, logits, spec_decode_metadata)
+        out = None
+        if (spec_decode_metadata is not None and logits is not None
+                and getattr(drafter, "is_vllm_spec_plugin", False)):
+            try:   # an all-greedy step: the chains' verdict off one argmax, not vLLM's sampler's ~1 ms
+                if tree_step.greedy_batch(self, logits):
+                    if drafter._argmax is None:
+                        drafter.record_target_argmax(logits, spec_decode_metadata)
+                    out = tree_step.greedy_sample(self, logits, spec_decode_metadata, drafter._argmax)
+            except Exception as e:  # noqa: BLE001 - vLLM's rejection sampler decides instead
+                drafter.faults.record("greedy_sample", e)
+        if out is None:
+            out = orig_sample(self, logits, spec_decode_metadata)
         if step is not None and spec_decode_metadata is not None:
             try:
                 if step.failed:

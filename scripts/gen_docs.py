@@ -73,24 +73,27 @@ plain. At batch 1 on AVX-512 a step that verifies up to 8 drafts costs little mo
 step (and not linearly: 1 draft costs more than 2 or 4 there), so every method that drafts
 pays; at batch 8 every row's drafts add up, and only well-accepted ones pay (goodput switches the
 drafter-based methods' drafters off there). With all seven methods at their served defaults in
-one run there, in bf16, at batch 1 (the two plain engines 4.0 / 3.4 / 3.2% apart) every method
-of the plugin paid on chat / code / repetitive text: `lookahead` 1.40x / 1.65x / 2.10x plain at
-a tau of 1.58 / 1.79 / 2.52, `suffix` 1.33x / 1.68x / 2.12x at 1.43 / 1.84 / 2.42, `bandit_tree`
-1.39x / 1.59x / 1.82x, `mamba` 1.30x / 1.57x / 1.98x, `cascade` 1.29x / 1.46x / 1.67x, `ngram`
-0.99x / 1.13x / 1.46x ([`fresh_b1_bf16_lockstep_avx512`](#fresh_b1_bf16_lockstep_avx512)); at
-batch 8 (the two plain engines 5.1 / 6.0 / 3.5% apart) code and repetitive text paid for every
-method of the plugin (`lookahead` 1.07x / 1.25x, `mamba` 1.07x / 1.26x, `cascade` 1.06x / 1.29x,
-`bandit_tree` 1.01x / 1.18x; `suffix` 1.01x / 1.23x) and chat for none (0.94x-0.97x, `suffix`
-0.95x: within the plain engines' spread)
-([`fresh_b8_bf16_lockstep_avx512`](#fresh_b8_bf16_lockstep_avx512)). `mamba` and `cascade` pay
-there because n-gram lookup drafts alone while their drafter does not pay: a drafter merely
-switched off drafts nothing and still costs each step ~0.45 ms more than a plain one (goodput's
-bookkeeping and the runner hooks, vLLM's spec-decode metadata; timed in process), and a cold
-server ~67 ms of probes (`mamba` on chat). On chat at batch 8 a set of eight requests ends
-with its slowest: there `lookahead`, `mamba` and `cascade`
-finished requests 1.03x-1.06x sooner on average than plain, the set's last one a little later:
+one run there, in bf16, at batch 1 (the two plain engines 5.3 / 5.3 / 5.4% apart) every method
+of the plugin paid on chat / code / repetitive text: `lookahead` 1.48x / 1.76x / 2.21x plain at
+a tau of 1.52 / 1.80 / 2.64, `suffix` 1.37x / 1.70x / 2.09x at 1.43 / 1.84 / 2.42, `bandit_tree`
+1.45x / 1.64x / 1.76x, `mamba` 1.31x / 1.57x / 1.99x, `cascade` 1.25x / 1.61x / 1.77x, `ngram`
+1.04x / 1.19x / 1.47x ([`fresh_b1_bf16_lockstep_avx512`](#fresh_b1_bf16_lockstep_avx512)); at
+batch 8 (the two plain engines 7.7 / 5.1 / 5.2% apart) code and repetitive text paid for every
+method of the plugin (`lookahead` 1.09x / 1.30x, `cascade` 1.11x / 1.29x, `mamba` 1.05x / 1.18x,
+`bandit_tree` 1.05x / 1.15x; `suffix` 1.08x / 1.31x) and chat for none (`lookahead` 0.99x, the
+others 0.92x-0.96x, `suffix` 0.93x: mostly within the plain engines' spread)
+([`fresh_b8_bf16_lockstep_avx512`](#fresh_b8_bf16_lockstep_avx512)). In a step whose every
+request is greedy the plugin's methods read the verdict off the target's argmax; `suffix` and
+`ngram` go through vLLM's rejection sampler, ~1 ms a drafting step here (a bonus-token sampler
+pass, an fp32 copy of the target logits and torch's argmax over them; timed in process).
+`mamba` and `cascade` pay there because n-gram lookup drafts alone while their drafter does not
+pay: a drafter merely switched off drafts nothing and still costs each step ~0.45 ms more than
+a plain one (goodput's bookkeeping and the runner hooks, vLLM's spec-decode metadata; timed in
+process), and a cold server ~67 ms of probes (`mamba` on chat). On chat at batch 8 a set of
+eight requests ends with its slowest: there `lookahead`, `mamba` and `cascade`
+finished requests 1.02x-1.10x sooner on average than plain, the set's last one a little later:
 every step paid for all rows' drafts. Serve bf16 on such a host: on the same one, in float32 at
-batch 8, plain decoded chat at 197 tok/s (309 in bf16 in the batch-8 run above) and verifying 1 / 2 / 4 / 8
+batch 8, plain decoded chat at 197 tok/s (291 in bf16 in the batch-8 run above) and verifying 1 / 2 / 4 / 8
 drafts per row cost 1.37x / 1.76x / 2.50x / 3.95x a plain step
 ([`draft_cost_b8_f32_avx512`](#draft_cost_b8_f32_avx512)), against 1.24x / 1.54x / 2.08x / 3.23x
 in bf16 on another host of its kind.

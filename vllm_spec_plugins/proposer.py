@@ -242,7 +242,8 @@ class PluginProposer:
             if left[req.req_id] is not None:     # nor past max_tokens (a step makes drafts + 1)
                 room = min(room, max(left[req.req_id] - 1, 0))
             if not req.tree_ok:
-                # logprobs, penalties, bias, bad words, allowed ids, min_p, min_tokens or a grammar
+                # logprobs, penalties, bias, bad words, allowed ids, min_p, min_tokens, a grammar,
+                # or batch-wide a thinking budget or a user's argmax-moving logits processor
                 # (`tree_eligible`): our acceptance verifies the target's logits under temperature
                 # and top-k/top-p only; exactness first: no drafts for this request.
                 room = 0

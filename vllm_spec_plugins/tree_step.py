@@ -281,10 +281,9 @@ def greedy_sample(runner, logits: torch.Tensor, spec_decode_metadata,
 
 def greedy_batch(runner, logits: torch.Tensor) -> bool:
     """Every row of the batch greedy, on the CPU, and nothing vLLM's rejection sampler applies to
-    greedy rows in use: logprobs, penalties, allowed or bad words, min-tokens, a thinking budget, a
-    logits processor of the user's that can move the argmax (`tree_eligible` per row covers the
-    rest). On a GPU its sampler is a kernel: ours would only add a device sync."""
-    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
+    greedy rows in use: logprobs, penalties, allowed or bad words (batch-wide flags here), and what
+    `tree_eligible` excludes per row and batch-wide. On a GPU its sampler is a kernel: ours would
+    only add a device sync."""
     if logits.device.type != "cpu":
         return False
     b = runner.input_batch
@@ -292,13 +291,19 @@ def greedy_batch(runner, logits: torch.Tensor) -> bool:
     if not md.all_greedy or md.max_num_logprobs is not None or not md.no_penalties \
             or md.allowed_token_ids_mask is not None or md.bad_words_token_ids:
         return False
+    return all(tree_eligible(runner, i, rid) for i, rid in enumerate(b.req_ids))
+
+
+def _batch_exact(md) -> bool:
+    """Nothing in use batch-wide that our acceptance does not apply: a thinking budget (vLLM forces
+    the end of a budgeted request's thinking through the logits) or a logits processor of the
+    user's that can move the argmax (vLLM's own two, bias and min-tokens, are excluded per request)."""
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
     holder = md.thinking_budget_state_holder
     if holder is not None and holder.has_tracked_requests():
         return False
-    if any(type(p) not in (LogitBiasLogitsProcessor, MinTokensLogitsProcessor)
-           for p in md.logitsprocs.non_argmax_invariant):
-        return False
-    return all(tree_eligible(runner, i, rid) for i, rid in enumerate(b.req_ids))
+    return all(type(p) in (LogitBiasLogitsProcessor, MinTokensLogitsProcessor)
+               for p in md.logitsprocs.non_argmax_invariant)
 
 
 def accept_root_only(step: TreeStep, runner, logits: torch.Tensor, spec_decode_metadata, sampler_output) -> None:
@@ -341,8 +346,12 @@ def verdict(step: TreeStep | None) -> dict[int, tuple[list[int], list[int]]]:
 def tree_eligible(runner, i: int, rid: str) -> bool:
     """Requests our acceptance reproduces exactly (drafts, trees, and their sampling): greedy or
     temperature with top-k/top-p (drawn by vLLM's own sampler). Not: logprobs (vLLM computes them
-    for its own tokens), penalties, bias, min_p, bad words, allowed ids or a grammar."""
+    for its own tokens), penalties, bias, min_p, bad words, allowed ids or a grammar; nor any
+    request of a batch with a thinking budget or an argmax-moving logits processor in use
+    (`_batch_exact`)."""
     b = runner.input_batch
+    if not _batch_exact(b.sampling_metadata):
+        return False
     if (rid in b.num_logprobs
             or rid in b.frequency_penalties_reqs or rid in b.presence_penalties_reqs
             or rid in b.repetition_penalties_reqs or rid in b.has_allowed_token_ids

@@ -54,8 +54,9 @@ decides how much of a ratio is noise (each table's "engines" line says which way
   another engine ran takes 3-4 ms more here (caches refilled: +12% of a step, measured with two
   plain engines): with one step a turn (`--lockstep 1`) that favours the methods that take fewer
   steps by ~2-3%; K steps a turn leave 1/K of it. What remains is a per-process difference in
-  speed that no interleaving cancels: the two plain engines of one run differ by a few percent
-  (the `plain` row of each such table gives both). Read ratios that close to 1.00x as equal.
+  speed that no interleaving cancels: the two plain engines of one run differ by 1-8% in the
+  runs below, 13% once (the `plain` row of each such table gives both). Read ratios within that
+  spread of 1.00x, or of each other, as equal.
 
 ## When speculation pays on a CPU
 

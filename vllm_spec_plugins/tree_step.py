@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_spec_plugins.scorers import DraftTree, coupled_accept, greedy_accept, greedy_chain, row_argmax, sampled_accept
+from vllm_spec_plugins.scorers import DraftTree, coupled_accept, greedy_accept, greedy_chain, sampled_accept
 from vllm_spec_plugins.tree_attention import NativeTreePlan
 
 _SAMPLING_EPS = 1e-5
@@ -255,18 +255,14 @@ def accept(step: TreeStep, runner, logits: torch.Tensor, spec_decode_metadata, s
                 step.slot_mapping[dst].long())
 
 
-def greedy_sample(runner, logits: torch.Tensor, spec_decode_metadata,
-                  argmax: list[list[int]] | None = None):
+def greedy_sample(runner, spec_decode_metadata, argmax: list[list[int]]):
     """vLLM's rejection sampler's output (a `SamplerOutput`) for a step `greedy_batch` admits, read
-    off the target's argmax at each verified position (`argmax`, per request, when the proposer
-    hook already took it): each request's drafts while they are the argmax, then the argmax. That
-    sampler's greedy path computes the same (a bonus-token sampler pass, an fp32 copy of the target
-    logits, their argmax) in ~1 ms a step on a 2-core CPU, ~4% of a batch-8 step."""
+    off the target's argmax at each verified position (`argmax`, per request, as
+    `PluginProposer.record_target_argmax` takes it): each request's drafts while they are the
+    argmax, then the argmax. That sampler's greedy path computes the same (a bonus-token sampler
+    pass, an fp32 copy of the target logits, their argmax) in ~1 ms a step on a 2-core CPU, ~4% of
+    a batch-8 step."""
     from vllm.v1.outputs import SamplerOutput
-    if argmax is None:
-        ids = row_argmax(logits).tolist()
-        argmax = [ids[a:a + n + 1] for a, n in zip(row_starts(spec_decode_metadata),
-                                                     spec_decode_metadata.num_draft_tokens)]
     runner.input_batch.update_async_output_token_ids()    # as vLLM's `_sample` does first
     drafts = spec_decode_metadata.draft_token_ids.tolist()
     counts = spec_decode_metadata.num_draft_tokens

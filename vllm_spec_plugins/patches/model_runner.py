@@ -150,7 +150,8 @@ def apply(set_) -> None:
                 if tree_step.greedy_batch(self, logits):
                     if drafter._argmax is None:
                         drafter.record_target_argmax(logits, spec_decode_metadata)
-                    out = tree_step.greedy_sample(self, logits, spec_decode_metadata, drafter._argmax)
+                    if drafter._argmax is not None:     # else it failed (recorded): vLLM's sampler
+                        out = tree_step.greedy_sample(self, spec_decode_metadata, drafter._argmax)
             except Exception as e:  # noqa: BLE001 - vLLM's rejection sampler decides instead
                 drafter.faults.record("greedy_sample", e)
         if out is None:

@@ -146,9 +146,8 @@ class Goodput(Proposer):
         # discounted (accepted, expected) tokens of drafting steps, the cheap part's alone included:
         # R_off is priced from the cheap part's own steps, which run only while the drafter is off,
         # and against an optimistic R_on that leans to the drafter; pooled, the cheap part's record
-        # moves the drafter's calibration too (kept apart, `mamba` at batch 1 on an AVX-512 host ran
-        # 1.16x / 1.24x / 1.35x plain on chat / code / repetitive in a run beside plain, against
-        # 1.30x / 1.57x / 1.98x pooled in the all-seven run there, plain engines 3-4% apart in both)
+        # moves the drafter's calibration too. Kept apart, the drafter stayed on where the cheap part
+        # alone makes more, and `mamba` ran slower beside plain at batch 1 on every category.
         self._cal = [0.0, 0.0]
         inner.clock = clock                      # its one-off seconds are subtracted from ours: one clock
         self.needs_target_argmax = inner.needs_target_argmax

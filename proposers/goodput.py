@@ -472,26 +472,28 @@ class Goodput(Proposer):
             self._forced = True    # a step without drafts now and then: keeps the jump measured
             return keep
         glob = self.accept.global_rate()
-        cand = []                                  # (p, depth, row)
-        reach = np.zeros(self.k)
+        ps, ds, rs = [], [], []                    # per cuttable row: chances, depths, row index
         for i, (req, d, c) in enumerate(zip(ctx.requests, drafts, classes)):
             if not _cuttable(req, d):
                 continue
-            q = self.accept.rates(req.req_id, glob)[np.asarray(c[:len(d)], dtype=np.int64)]
-            for j, p in enumerate(np.cumprod(q).tolist()):
-                cand.append((p, j, i))
-                reach[j] += p
+            ps.append(np.cumprod(self.accept.rates(req.req_id, glob)[np.asarray(c[:len(d)], dtype=np.int64)]))
+            ds.append(np.arange(len(d)))
+            rs.append(np.full(len(d), i))
         rows = sum(1 for d in drafts if len(d))
         depth = max((len(d) for d in drafts), default=0)
-        self._reach = (reach[:depth] / max(rows, 1)).tolist()   # mean chance per depth (`_depth`)
-        if not cand:
+        if not ps:
+            self._reach = [0.0] * depth
             return keep
+        p_all, d_all, r_all = np.concatenate(ps), np.concatenate(ds), np.concatenate(rs)
+        reach = np.bincount(d_all, weights=p_all, minlength=depth)
+        self._reach = (reach[:depth] / max(rows, 1)).tolist()   # mean chance per depth (`_depth`)
         a, b, jump = self.cost.fit(n, self.context)
-        # p falls along a chain (rates <= 1) and ties go to the shallower token: each row's
-        # tokens come in chain order, so what is kept is a prefix of every chain.
-        cand.sort(key=lambda x: (-x[0], x[1]))
+        # Best p first; ties go to the shallower token, then to the earlier row. p falls along a
+        # chain (rates <= 1), so what is kept is a prefix of every chain. Only the head of the
+        # order is walked: the cut stops at the first token that does not pay.
+        order = np.lexsort((r_all, d_all, -p_all))
         made, extra = float(n), 0
-        for p, j, i in cand:
+        for p, i in zip(p_all[order].tolist(), r_all[order].tolist()):
             if p * (a + b * (n + extra) + jump) <= b * made:     # p <= b * R: this and all after lose
                 break
             keep[i] += 1

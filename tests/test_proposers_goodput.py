@@ -212,6 +212,59 @@ def test_cuts_drafts_that_are_never_accepted():
     assert max(steps.values()) == 200
 
 
+def test_the_cut_is_its_per_token_definition():
+    """Over random batches (coarse rates: many equal chances, rows without drafts, a tree row):
+    what `_allocate` keeps is what walking every row's tokens best chance first (ties: the
+    shallower token, then the earlier row) keeps while p * (step seconds with it) > b * tokens
+    made so far. Walking rows before chances, or a threshold without the tokens the kept drafts
+    make, fails it."""
+    from vllm_spec_plugins.scorers.tree import DraftTree
+    rng = np.random.default_rng(1)
+    classes_n = 6
+    g = Goodput(Proposer(8), explore_every=0)
+    g.accept = AcceptModel(np.full(classes_n, 0.5))
+    for _ in range(64):                        # a fit with a plain and a drafting regime
+        g.cost.observe(8 + int(rng.integers(0, 24)), 0.02 + 0.001 * rng.integers(0, 24), drafts=True, rows=8)
+        g.cost.observe(8, 0.02, rows=8)
+    checked = 0
+    for trial in range(200):
+        n = int(rng.integers(1, 9))
+        g.accept.hits[:] = rng.integers(0, 5, classes_n) * 4.0     # coarse rates: ties
+        g.accept.tries[:] = 20.0
+        reqs, drafts, classes = [], [], []
+        for i in range(n):
+            m = int(rng.integers(0, 9))
+            reqs.append(RequestStep(f"r{i}", np.arange(5), [1], []))
+            c = [int(x) for x in rng.integers(0, classes_n, m)]
+            drafts.append(DraftTree([1], [-1]) if i == 1 and trial % 5 == 0 else list(range(m)))
+            classes.append(c)
+        keep = g._allocate(StepContext(reqs), drafts, classes, n)
+        # the definition, token by token
+        glob = g.accept.global_rate()
+        cand = []
+        for i, (d, c) in enumerate(zip(drafts, classes)):
+            if isinstance(d, DraftTree) or not d:
+                continue
+            p = 1.0
+            for j, x in enumerate(c):
+                p *= float(g.accept.rates(f"r{i}", glob)[x])
+                cand.append((p, j, i))
+        cand.sort(key=lambda x: (-x[0], x[1]))
+        a, b, jump = g.cost.fit(n, g.context)
+        want, made, extra = [0] * n, float(n), 0
+        for p, j, i in cand:
+            if p * (a + b * (n + extra) + jump) <= b * made:
+                break
+            want[i] += 1
+            made += p
+            extra += 1
+        if (made - n) * (a + b * n) <= n * (b * extra + jump):
+            want = [0] * n
+        assert keep == want, (trial, keep, want)
+        checked += sum(want) > 0
+    assert checked > 50                      # most batches keep something: the walk was exercised
+
+
 class Mixed(Proposer):
     """Two reference tokens (class 0) then two more (class 1), the first of which is wrong two
     steps in three: class 1 is reached 1 + 1/3 times a step and accepted 2/3 times (rate 1/2),

@@ -97,7 +97,12 @@ every step paid for all rows' drafts. Serve bf16 on such a host: on the same one
 batch 8, plain decoded chat at 197 tok/s (291 in bf16 in the batch-8 run above) and verifying 1 / 2 / 4 / 8
 drafts per row cost 1.37x / 1.76x / 2.50x / 3.95x a plain step
 ([`draft_cost_b8_f32_avx512`](#draft_cost_b8_f32_avx512)), against 1.24x / 1.54x / 2.08x / 3.23x
-in bf16 on another host of its kind.
+in bf16 on another host of its kind. In float32 at batch 8 on this host, with all seven methods
+at their served defaults in one run (the two plain engines 4.1 / 3.8 / 2.7% apart), `lookahead`
+paid on chat / code / repetitive text, 1.01x / 1.12x / 1.42x plain at a tau of 1.25 / 1.52 /
+2.23, against `suffix`'s 0.92x / 1.01x / 1.42x at 1.42 / 1.72 / 2.62; `cascade` ran 0.99x /
+1.12x / 1.39x, `mamba` 0.99x / 1.01x / 1.32x, `bandit_tree` 0.92x / 1.00x / 1.16x, `ngram`
+0.66x / 0.75x / 0.89x ([`fresh_b8_f32_lockstep_avx512`](#fresh_b8_f32_lockstep_avx512)).
 With a short text match's tokens past its agreement priced as a class of their own (as
 served), the model-free methods ran, at batch 1 (the two plain engines 5.0 / 5.2 / 4.4% apart):
 `lookahead` 1.40x / 1.69x / 2.12x plain at a tau of 1.54 / 1.82 / 2.62, `suffix` 1.32x / 1.69x /

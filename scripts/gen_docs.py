@@ -83,7 +83,15 @@ batch 8 (the two plain engines 7.7 / 5.1 / 5.2% apart) code and repetitive text 
 method of the plugin (`lookahead` 1.09x / 1.30x, `cascade` 1.11x / 1.29x, `mamba` 1.05x / 1.18x,
 `bandit_tree` 1.05x / 1.15x; `suffix` 1.08x / 1.31x) and chat for none (`lookahead` 0.99x, the
 others 0.92x-0.96x, `suffix` 0.93x: mostly within the plain engines' spread)
-([`fresh_b8_bf16_lockstep_avx512`](#fresh_b8_bf16_lockstep_avx512)). In a step whose every
+([`fresh_b8_bf16_lockstep_avx512`](#fresh_b8_bf16_lockstep_avx512)). Two more such runs at
+batch 8 ([`_repeat2`](#fresh_b8_bf16_lockstep_avx512_repeat2), plain engines 10.5 / 9.6 / 7.1%
+apart; [`_repeat3`](#fresh_b8_bf16_lockstep_avx512_repeat3), 7.1 / 5.1 / 5.8%) moved a method by
+up to 0.24x (`mamba` on repetitive text: 1.18x, 1.35x, 1.42x): one run does not rank methods
+that close. Over the three, chat averaged `lookahead` 0.99x (above `suffix` in each run),
+`cascade` 0.97x, `mamba` 0.96x, `bandit_tree` 0.95x, `suffix` 0.93x, `ngram` 0.67x; code
+`cascade` 1.12x, `suffix` 1.09x, `lookahead` 1.08x, `bandit_tree` 1.07x, `mamba` 1.05x, `ngram`
+0.79x; repetitive text 1.31x-1.32x for `lookahead`, `mamba`, `cascade` and `suffix`,
+`bandit_tree` 1.14x, `ngram` 0.87x. In a step whose every
 request is greedy the plugin's methods read the verdict off the target's argmax; `suffix` and
 `ngram` go through vLLM's rejection sampler, ~1 ms a drafting step here (a bonus-token sampler
 pass, an fp32 copy of the target logits and torch's argmax over them; timed in process).
@@ -98,7 +106,7 @@ batch 8, plain decoded chat at 197 tok/s (291 in bf16 in the batch-8 run above) 
 drafts per row cost 1.37x / 1.76x / 2.50x / 3.95x a plain step
 ([`draft_cost_b8_f32_avx512`](#draft_cost_b8_f32_avx512)), against 1.24x / 1.54x / 2.08x / 3.23x
 in bf16 on another host of its kind. In float32 at batch 8 on this host, with all seven methods
-at their served defaults in one run (the two plain engines 4.1 / 3.8 / 2.7% apart), `lookahead`
+at their served defaults in one run (the two plain engines 4.4 / 4.0 / 2.6% apart), `lookahead`
 paid on chat / code / repetitive text, 1.01x / 1.12x / 1.42x plain at a tau of 1.25 / 1.52 /
 2.23, against `suffix`'s 0.92x / 1.01x / 1.42x at 1.42 / 1.72 / 2.62; `cascade` ran 0.99x /
 1.12x / 1.39x, `mamba` 0.99x / 1.01x / 1.32x, `bandit_tree` 0.92x / 1.00x / 1.16x, `ngram`

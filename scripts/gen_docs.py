@@ -78,7 +78,10 @@ one run there, in bf16, at batch 1 (the two plain engines 5.3 / 5.3 / 5.4% apart
 of the plugin paid on chat / code / repetitive text: `lookahead` 1.48x / 1.76x / 2.21x plain at
 a tau of 1.52 / 1.80 / 2.64, `suffix` 1.37x / 1.70x / 2.09x at 1.43 / 1.84 / 2.42, `bandit_tree`
 1.45x / 1.64x / 1.76x, `mamba` 1.31x / 1.57x / 1.99x, `cascade` 1.25x / 1.61x / 1.77x, `ngram`
-1.04x / 1.19x / 1.47x ([`fresh_b1_bf16_lockstep_avx512`](#fresh_b1_bf16_lockstep_avx512)); at
+1.04x / 1.19x / 1.47x ([`fresh_b1_bf16_lockstep_avx512`](#fresh_b1_bf16_lockstep_avx512); a
+second run, [`_repeat2`](#fresh_b1_bf16_lockstep_avx512_repeat2), plain engines 2.0 / 2.7 / 1.6%
+apart: `lookahead` 1.52x / 1.87x / 2.31x at a tau of 1.54 / 1.92 / 2.66, `suffix` 1.40x / 1.72x /
+2.15x at 1.43 / 1.84 / 2.42, every other method 1.07x-2.08x); at
 batch 8 (the two plain engines 7.7 / 5.1 / 5.2% apart) code and repetitive text paid for every
 method of the plugin (`lookahead` 1.09x / 1.30x, `cascade` 1.11x / 1.29x, `mamba` 1.05x / 1.18x,
 `bandit_tree` 1.05x / 1.15x; `suffix` 1.08x / 1.31x) and chat for none (`lookahead` 0.99x, the

@@ -68,19 +68,6 @@ def shape_family(max_depth: int, max_width: int, node_budget: int, backoff: bool
     return out
 
 
-def nested_parents(shapes: list[tuple]) -> list[list[int]]:
-    """Per arm, the arms nested in it with nothing else nested between (at most as many nodes at
-    every depth, fewer in all): () for a chain of depth 1, (1, 1) for (4, 2) and for (1, 1, 1, 1),
-    both of those for (4, 2, 1, 1)."""
-    def inside(s, t):
-        return len(s) <= len(t) and all(x <= y for x, y in zip(s, t)) and sum(s) < sum(t)
-    out = []
-    for t in shapes:
-        below = [i for i, s in enumerate(shapes) if inside(s, t)]
-        out.append([i for i in below if not any(inside(shapes[i], shapes[j]) for j in below)])
-    return out
-
-
 def greedy_tokens(nodes: list[tuple[int, int, int]], made: list[int]) -> int | None:
     """Tokens a draft tree would have made in a greedy step that made `made` (its accepted drafts
     and the bonus token: made[i] is the target's argmax after made[:i]). nodes: (id, token,
@@ -210,8 +197,6 @@ class BanditTreeConfig(MethodConfig):
     scope: str = key("global", help="bandit tables: 'global', 'request', or 'field:NAME' "
                      "(SamplingParams.extra_args[NAME])")
     exploration: float = key(0.05, 0.0, 10.0, "UCB exploration weight c (times the best mean reward)")
-    explore_gate: float = key(0.9, 0.0, 1.0, "an untried shape is tried once the shapes nested in it reach this "
-                              "share of the rate of those nested in them (0 = try every shape)")
     discount: float = key(0.995, 0.5, 1.0, "per-step discount of the bandit's counts (memory ~ 1/(1-discount) steps)")
     window: int = key(0, 0, 64, "drafter: Jacobi window W (0 = deepest shape)")
     ngram: int = key(4, 2, 16, "drafter: n-gram size N")
@@ -305,7 +290,6 @@ class BanditTreeProposer(Proposer):
         self.lookahead.clock = clock         # its one-off seconds are subtracted from ours: one clock
         self.states = self.lookahead.states
         self.shapes, self.exploration, self.discount, self.scope = shapes, cfg.exploration, cfg.discount, cfg.scope
-        self.explore_gate = cfg.explore_gate
         self.batch_node_budget = cfg.batch_node_budget
         #: a Mamba drafter (`StateSpaceDrafter`) drafts the candidates instead of the lookahead pool
         self.mamba = None
@@ -316,7 +300,6 @@ class BanditTreeProposer(Proposer):
         self.once_s = 0.0                    # the drafter's one-off seconds in the last proposal
         self._allowed: dict[int, list[int]] = {}
         self.none_arm = self.shapes.index(()) if () in self.shapes else None
-        self.parent = nested_parents(self.shapes)
         self.subsets: dict[str, tuple] = {}   # req id -> (nodes, is chain, {arm: node set}) drafted last step
         # (traffic key, batch bucket) -> bandit; least recently used first. `field:NAME` keys come
         # from request fields a client chooses: at most MAX_TABLES are kept.
@@ -388,26 +371,6 @@ class BanditTreeProposer(Proposer):
             a = self._allowed[bucket] = a
         return a
 
-    def explorable(self, ctx: tuple, price: list[float], w) -> list[int]:
-        """The allowed arms of table `ctx` the bandit may pull: every measured one, and an unmeasured
-        one unless the steps to it from the arms nested in it (`nested_parents`) are all known not
-        to pay: each such arm held back itself, or measured below `explore_gate` of the best rate
-        of the arms nested in it. Arms grow by nodes along the nesting, and a node added to a shape
-        raises its tokens only by its chance of acceptance while every node costs the same: where
-        one more depth or width did not pay, a wider or deeper one rarely does, and trying it costs
-        a whole batch's step (at batch 8 on a CPU a tree arm's step ran 2-2.5x a plain one)."""
-        t = self.tables[ctx]
-        rate = [t.rate(a, price, w) for a in range(len(self.shapes))]
-
-        def lost(p: int) -> bool:            # measured, and its step from the arms nested in it did not pay
-            below = [rate[g] for g in self.parent[p] if rate[g] is not None]
-            return rate[p] is not None and bool(below) and rate[p] < self.explore_gate * max(below)
-        held: set[int] = set()
-        for a in sorted(range(len(self.shapes)), key=lambda i: sum(self.shapes[i])):
-            if rate[a] is None and self.parent[a] and all(p in held or lost(p) for p in self.parent[a]):
-                held.add(a)
-        return [a for a in self.allowed(ctx[1]) if a not in held]
-
     MAX_TABLES = 1024
 
     def table(self, ctx: tuple) -> DiscountedUCB:
@@ -466,8 +429,7 @@ class BanditTreeProposer(Proposer):
         # a step without drafts now and then keeps the cost fit's jump measured
         plain = self.none_arm is not None and self.cost.n > 0 and self.cost.plain_weight < 0.5
         w = self.cost.weights() or UNIT
-        arms = {kk: self.table((kk, bucket)).choose(price, self.explorable((kk, bucket), price, w), w)
-                for kk in keys}
+        arms = {kk: self.table((kk, bucket)).choose(price, self.allowed(bucket), w) for kk in keys}
         if plain and all(self.table((kk, bucket)).nres[self.none_arm] > 0 for kk in keys):
             arms = dict.fromkeys(keys, self.none_arm)
         if self.sync is not None:

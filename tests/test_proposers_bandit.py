@@ -11,7 +11,6 @@ from vllm_spec_plugins.proposers.bandit import (
     DiscountedUCB,
     batch_bucket,
     greedy_tokens,
-    nested_parents,
     shape_family,
     shape_name,
 )
@@ -271,28 +270,6 @@ def test_bandit_speculates_when_cheap_and_backs_off_when_costly():
     assert plain(p.inspect()), p.inspect()
     # at batch 32 only shapes within batch_node_budget / 32 = 2 nodes are ever tried
     assert [p.shapes[a] for a in p.allowed(32)] == [(), (1,), (1, 1)]
-
-
-def test_arms_nested_in_a_losing_one_are_not_tried():
-    """Where one draft a step already loses to no speculation (each drafted token costs three
-    plain steps), the wider and deeper arms (every one has `(1, 1)` nested in it) are never pulled:
-    each would cost a whole step of many drafts to learn what the narrower ones showed. Where
-    drafts are cheap every arm is still tried; without the gate, the dear case tries them all too."""
-    fam = shape_family(6, 4, 16)
-    assert [[fam[i] for i in ps] for ps in nested_parents(fam)] == \
-        [[], [()], [(1,)], [(1, 1)], [(1, 1)], [(4, 2), (1, 1, 1, 1)], [(1, 1, 1, 1)],
-         [(4, 2, 1, 1), (1, 1, 1, 1, 1, 1)]]
-    f = pair_table_target(50, 5, 0.05, branching=3)
-    prompts = [np.random.default_rng(s).integers(0, 50, 24).tolist() for s in range(4)]
-
-    def pulled(per_token, gate=0.9):
-        clock = CostClock(1.0, per_token)
-        p = BanditTreeProposer(BanditTreeConfig(16, explore_gate=gate), clock=clock, vocab_size=50)
-        run_bandit(p, clock, f, prompts, 600)
-        return {p.shapes[a] for t in p.tables.values() for a, n in enumerate(t.pulls) if n}
-    assert pulled(3.0) <= {(), (1,), (1, 1)}
-    assert pulled(0.01) == set(fam)
-    assert pulled(3.0, gate=0.0) == set(fam)
 
 
 def test_bandit_matches_best_fixed_shape_in_hindsight():

@@ -141,8 +141,8 @@ def test_greedy_batch_admits_only_steps_vllms_sampler_would_argmax():
     # included: vLLM applies a thinking budget inside its rejection sampler, ours would not
     busy = replace(md, thinking_budget_state_holder=SimpleNamespace(has_tracked_requests=lambda: True))
     for changed in (custom, busy):
-        assert not tree_step.tree_eligible(_runner(3, input_batch__sampling_metadata=changed), 0, "r0")
-    assert tree_step.tree_eligible(_runner(3), 0, "r0")
+        assert not any(tree_step.eligible_rows(_runner(3, input_batch__sampling_metadata=changed)))
+    assert all(tree_step.eligible_rows(_runner(3)))
     # one request with min_tokens (vLLM masks its stop tokens), or logprobs: not ours to argmax
     assert not tree_step.greedy_batch(_runner(3, requests__r1__sampling_params__min_tokens=4), logits)
     assert not tree_step.greedy_batch(_runner(3, input_batch__num_logprobs={"r2": 1}), logits)

@@ -9,7 +9,7 @@ from collections import Counter
 from vllm_spec_plugins.config import ADDITIONAL_KEY, TENANT_KEY, from_params
 from vllm_spec_plugins.proposers.base import BuildEnv, Proposer, RequestStep, StepContext
 from vllm_spec_plugins.scorers.tree import DraftTree
-from vllm_spec_plugins.tree_step import tree_eligible
+from vllm_spec_plugins.tree_step import eligible_rows
 
 logger = logging.getLogger("vllm_spec_plugins")
 
@@ -203,6 +203,7 @@ class PluginProposer:
             hidden = [sample_hidden_states[a:b] for a, b in
                       _request_rows(sample_hidden_states.shape[0], spec_decode_metadata)]
         reqs, rows, left = [], [], {}
+        exact = eligible_rows(runner)
         for i, rid in enumerate(batch.req_ids):
             if rid in skip:
                 continue
@@ -210,7 +211,7 @@ class PluginProposer:
             n = int(batch.num_tokens_no_spec[i])
             drafts = [t for t in scheduled.get(rid, ()) if t >= 0]
             sampled = list(sampled_token_ids[i])
-            eligible = tree_eligible(runner, i, rid)
+            eligible = exact[i]
             if argmax is not None:
                 am = argmax[i] if i < len(argmax) else None
             elif self.needs_target_argmax and not drafts and eligible and len(sampled) == 1 \
@@ -244,7 +245,7 @@ class PluginProposer:
             if not req.tree_ok:
                 # logprobs, penalties, bias, bad words, allowed ids, min_p, min_tokens, a grammar,
                 # or batch-wide a thinking budget or a user's argmax-moving logits processor
-                # (`tree_eligible`): our acceptance verifies the target's logits under temperature
+                # (`eligible_rows`): our acceptance verifies the target's logits under temperature
                 # and top-k/top-p only; exactness first: no drafts for this request.
                 room = 0
             if isinstance(d, DraftTree):

@@ -90,6 +90,7 @@ def begin(runner, scheduler_output, owner) -> TreeStep | None:
     positions: list[tuple[int, torch.Tensor]] = []    # (first tree row, its depth-based positions)
     temps = batch.temperature_cpu[:batch.num_reqs]
     mixed = bool((temps >= _SAMPLING_EPS).any()) and bool((temps < _SAMPLING_EPS).any())
+    exact = None        # `eligible_rows`, needed only where the scheduler left placeholders
     for i, rid in enumerate(batch.req_ids):
         drafts = list(scheduled.get(rid, ()))
         tree = pending.pop(rid, None)
@@ -101,7 +102,9 @@ def begin(runner, scheduler_output, owner) -> TreeStep | None:
             # Placeholder drafts (a request admitted as a decode: resumed, or its prompt fully
             # prefix-cached). vLLM's rejection sampler would draw a sampled row's token unlike plain
             # decoding does; ours draws it exactly as plain (an empty tree: one draw) where it can.
-            if not (sampled and tree_eligible(runner, i, rid)):
+            if sampled and exact is None:
+                exact = eligible_rows(runner)
+            if not (sampled and exact[i]):
                 continue
             tree = None
         if tree is None:
@@ -278,7 +281,7 @@ def greedy_sample(runner, spec_decode_metadata, argmax: list[list[int]]):
 def greedy_batch(runner, logits: torch.Tensor) -> bool:
     """Every row of the batch greedy, on the CPU, and nothing vLLM's rejection sampler applies to
     greedy rows in use: logprobs, penalties, allowed or bad words (batch-wide flags here), and what
-    `tree_eligible` excludes per row and batch-wide. On a GPU its sampler is a kernel: ours would
+    `eligible_rows` excludes per row and batch-wide. On a GPU its sampler is a kernel: ours would
     only add a device sync."""
     if logits.device.type != "cpu":
         return False
@@ -287,7 +290,7 @@ def greedy_batch(runner, logits: torch.Tensor) -> bool:
     if not md.all_greedy or md.max_num_logprobs is not None or not md.no_penalties \
             or md.allowed_token_ids_mask is not None or md.bad_words_token_ids:
         return False
-    return all(tree_eligible(runner, i, rid) for i, rid in enumerate(b.req_ids))
+    return all(eligible_rows(runner))
 
 
 def _batch_exact(md) -> bool:
@@ -339,15 +342,19 @@ def verdict(step: TreeStep | None) -> dict[int, tuple[list[int], list[int]]]:
     return {i: (t.parents, step.accepted.get(i, [])) for i, t in step.rows.items()}
 
 
-def tree_eligible(runner, i: int, rid: str) -> bool:
-    """Requests our acceptance reproduces exactly (drafts, trees, and their sampling): greedy or
-    temperature with top-k/top-p (drawn by vLLM's own sampler). Not: logprobs (vLLM computes them
-    for its own tokens), penalties, bias, min_p, bad words, allowed ids or a grammar; nor any
-    request of a batch with a thinking budget or an argmax-moving logits processor in use
-    (`_batch_exact`)."""
+def eligible_rows(runner) -> list[bool]:
+    """Per batch row: a request our acceptance reproduces exactly (drafts, trees, and their
+    sampling): greedy or temperature with top-k/top-p (drawn by vLLM's own sampler). Not: logprobs
+    (vLLM computes them for its own tokens), penalties, bias, min_p, bad words, allowed ids or a
+    grammar; nor any request of a batch with a thinking budget or an argmax-moving logits
+    processor in use (`_batch_exact`, checked once for the batch)."""
     b = runner.input_batch
     if not _batch_exact(b.sampling_metadata):
-        return False
+        return [False] * len(b.req_ids)
+    return [_row_exact(runner, b, i, rid) for i, rid in enumerate(b.req_ids)]
+
+
+def _row_exact(runner, b, i: int, rid: str) -> bool:
     if (rid in b.num_logprobs
             or rid in b.frequency_penalties_reqs or rid in b.presence_penalties_reqs
             or rid in b.repetition_penalties_reqs or rid in b.has_allowed_token_ids

@@ -221,7 +221,7 @@ def test_fresh_prompt_file_loads_as_categories():
     from vllm_spec_plugins.tools import data
     rows = data.fresh_prompts()
     counts = {c: sum(r["category"] == c for r in rows) for c in data.FRESH_CATEGORIES}
-    assert counts == {"chat": 16, "code": 12, "repetitive": 12}
+    assert counts == {"chat": 48, "code": 40, "repetitive": 32}
     assert len({r["id"] for r in rows}) == len(rows) and all(r["id"].startswith("fresh:") for r in rows)
     for r in rows:
         roles = [m["role"] for m in r["messages"]]
@@ -232,7 +232,7 @@ def test_fresh_prompt_file_loads_as_categories():
     assert data.dedupe_rows(rows)[1] == []          # no two fresh prompts alike
     got = bench.load_rows(_args("--prompts", "fresh", "--categories", "code,repetitive", "--n-per-category", "2"))
     assert [r["category"] for r in got] == ["code", "code", "repetitive", "repetitive"]
-    assert len(bench.load_rows(_args("--prompts", "fresh", "--n-per-category", "0"))) == 40
+    assert len(bench.load_rows(_args("--prompts", "fresh", "--n-per-category", "0"))) == 120
     with pytest.raises(ValueError, match="summarize"):
         data.fresh_prompts(["summarize"])
 

@@ -54,7 +54,7 @@ decides how much of a ratio is noise (each table's "engines" line says which way
   another engine ran takes 3-4 ms more here (caches refilled: +12% of a step, measured with two
   plain engines): with one step a turn (`--lockstep 1`) that favours the methods that take fewer
   steps by ~2-3%; K steps a turn leave 1/K of it. What remains is a per-process difference in
-  speed that no interleaving cancels: the two plain engines of one run differ by 1-8% in the
+  speed that no interleaving cancels: the two plain engines of one run differ by 1-10% in the
   runs below, 13% once (the `plain` row of each such table gives both). Read ratios within that
   spread of 1.00x, or of each other, as equal.
 
@@ -94,7 +94,19 @@ that close. Over the three, chat averaged `lookahead` 0.99x (above `suffix` in e
 `cascade` 0.97x, `mamba` 0.96x, `bandit_tree` 0.95x, `suffix` 0.93x, `ngram` 0.67x; code
 `cascade` 1.12x, `suffix` 1.09x, `lookahead` 1.08x, `bandit_tree` 1.07x, `mamba` 1.05x, `ngram`
 0.79x; repetitive text 1.31x-1.32x for `lookahead`, `mamba`, `cascade` and `suffix`,
-`bandit_tree` 1.14x, `ngram` 0.87x. In a step whose every
+`bandit_tree` 1.14x, `ngram` 0.87x. On the 120-prompt set, bf16, every method of the plugin
+paid on chat / code / repetitive text at both batch sizes. At batch 1 (the two plain engines 7.3
+/ 6.3 / 6.2% apart): `lookahead` 1.60x / 1.88x / 2.16x plain at a tau of 1.65 / 2.00 / 2.67,
+`bandit_tree` 1.51x / 1.77x / 2.12x, `mamba` 1.30x / 1.59x / 1.95x, `cascade` 1.33x / 1.61x /
+1.75x, against `suffix`'s 1.45x / 1.83x / 2.03x at 1.52 / 2.03 / 2.45 and `ngram`'s 1.05x /
+1.27x / 1.45x ([`fresh2_b1_bf16_lockstep_avx512`](#fresh2_b1_bf16_lockstep_avx512)). At batch 8
+(the two plain engines 9.9 / 8.6 / 6.2% apart): `lookahead` 1.09x / 1.18x / 1.21x plain at a
+tau of 1.28 / 1.46 / 1.93, `mamba` 1.08x / 1.16x / 1.12x, `cascade` 1.07x / 1.17x / 1.20x, `bandit_tree` 1.01x / 1.05x / 1.09x, against
+`suffix`'s 1.05x / 1.15x / 1.15x at 1.51 / 1.86 / 2.47 and `ngram`'s 0.74x / 0.79x / 0.78x
+([`fresh2_b8_bf16_lockstep_avx512`](#fresh2_b8_bf16_lockstep_avx512)). `lookahead` verified
+2553 / 2464 / 2985 drafts there against suffix's 5853 / 5213 / 4385, 52 / 65 / 62% of them
+accepted against 35 / 44 / 52%: goodput keeps the drafts that pay at batch 8, so its tau stays
+under suffix's while its tokens/s is above. In a step whose every
 request is greedy the plugin's methods read the verdict off the target's argmax; `suffix` and
 `ngram` go through vLLM's rejection sampler, ~1 ms a drafting step here (a bonus-token sampler
 pass, an fp32 copy of the target logits and torch's argmax over them; timed in process).

@@ -106,7 +106,13 @@ tau of 1.28 / 1.46 / 1.93, `mamba` 1.08x / 1.16x / 1.12x, `cascade` 1.07x / 1.17
 ([`fresh2_b8_bf16_lockstep_avx512`](#fresh2_b8_bf16_lockstep_avx512)). `lookahead` verified
 2553 / 2464 / 2985 drafts there against suffix's 5853 / 5213 / 4385, 52 / 65 / 62% of them
 accepted against 35 / 44 / 52%: goodput keeps the drafts that pay at batch 8, so its tau stays
-under suffix's while its tokens/s is above. In a step whose every
+under suffix's while its tokens/s is above. A second batch-8 run on the 120 prompts, beside
+`lookahead` with goodput off (16 drafts a row), the two plain engines 5.9 / 5.1 / 2.8% apart,
+gave `lookahead` 1.00x / 1.08x / 1.11x at a tau of 1.24 / 1.46 / 1.84 and `suffix` 0.93x / 1.02x
+/ 1.08x at 1.51 / 1.86 / 2.47: chat at batch 8 moved from 1.09x to 1.00x between the two runs.
+With goodput off, `lookahead`'s tau was above suffix's on all three (1.68 / 2.10 / 2.84), at
+0.32x / 0.43x / 0.61x plain's tokens/s: it verified 4.6-9.3x as many drafts as `suffix`
+([`fresh2_b8_bf16_fixed_lockstep_avx512`](#fresh2_b8_bf16_fixed_lockstep_avx512)). In a step whose every
 request is greedy the plugin's methods read the verdict off the target's argmax; `suffix` and
 `ngram` go through vLLM's rejection sampler, ~1 ms a drafting step here (a bonus-token sampler
 pass, an fp32 copy of the target logits and torch's argmax over them; timed in process).

@@ -106,10 +106,16 @@ tau of 1.28 / 1.46 / 1.93, `mamba` 1.08x / 1.16x / 1.12x, `cascade` 1.07x / 1.17
 ([`fresh2_b8_bf16_lockstep_avx512`](#fresh2_b8_bf16_lockstep_avx512)). `lookahead` verified
 2553 / 2464 / 2985 drafts there against suffix's 5853 / 5213 / 4385, 52 / 65 / 62% of them
 accepted against 35 / 44 / 52%: goodput keeps the drafts that pay at batch 8, so its tau stays
-under suffix's while its tokens/s is above. A second batch-8 run on the 120 prompts, beside
-`lookahead` with goodput off (16 drafts a row), the two plain engines 5.9 / 5.1 / 2.8% apart,
+under suffix's while its tokens/s is above. The same command again
+([`_repeat2`](#fresh2_b8_bf16_lockstep_avx512_repeat2), plain engines 4.0 / 3.3 / 2.5% apart):
+`lookahead` 1.05x / 1.09x / 1.14x, `mamba` 1.04x / 1.12x / 1.09x, `cascade` 1.05x / 1.10x /
+1.18x, `bandit_tree` 0.97x / 1.03x / 1.09x, `suffix` 1.01x / 1.05x / 1.15x, `ngram` 0.71x /
+0.76x / 0.76x: `bandit_tree`'s chat under plain's there (it drafts on few steps at batch 8, each
+for every row), `lookahead` level with `suffix` on repetitive text. A third batch-8 run on the
+120 prompts, beside `lookahead` with goodput off (16 drafts a row), the two plain engines 5.9 / 5.1 / 2.8% apart,
 gave `lookahead` 1.00x / 1.08x / 1.11x at a tau of 1.24 / 1.46 / 1.84 and `suffix` 0.93x / 1.02x
-/ 1.08x at 1.51 / 1.86 / 2.47: chat at batch 8 moved from 1.09x to 1.00x between the two runs.
+/ 1.08x at 1.51 / 1.86 / 2.47: `lookahead`'s chat at batch 8 ran 1.09x, 1.05x and 1.00x in the
+three runs, each above `suffix`'s.
 With goodput off, `lookahead`'s tau was above suffix's on all three (1.68 / 2.10 / 2.84), at
 0.32x / 0.43x / 0.61x plain's tokens/s: it verified 4.6-9.3x as many drafts as `suffix`
 ([`fresh2_b8_bf16_fixed_lockstep_avx512`](#fresh2_b8_bf16_fixed_lockstep_avx512)). In a step whose every

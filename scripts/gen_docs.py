@@ -101,7 +101,8 @@ paid on chat / code / repetitive text at both batch sizes. At batch 1 (the two p
 1.75x, against `suffix`'s 1.45x / 1.83x / 2.03x at 1.52 / 2.03 / 2.45 and `ngram`'s 1.05x /
 1.27x / 1.45x ([`fresh2_b1_bf16_lockstep_avx512`](#fresh2_b1_bf16_lockstep_avx512)). At batch 8
 (the two plain engines 9.9 / 8.6 / 6.2% apart): `lookahead` 1.09x / 1.18x / 1.21x plain at a
-tau of 1.28 / 1.46 / 1.93, `mamba` 1.08x / 1.16x / 1.12x, `cascade` 1.07x / 1.17x / 1.20x, `bandit_tree` 1.01x / 1.05x / 1.09x, against
+tau of 1.28 / 1.46 / 1.93, `mamba` 1.08x / 1.16x / 1.12x, `cascade` 1.07x / 1.17x / 1.20x,
+`bandit_tree` 1.01x / 1.05x / 1.09x, against
 `suffix`'s 1.05x / 1.15x / 1.15x at 1.51 / 1.86 / 2.47 and `ngram`'s 0.74x / 0.79x / 0.78x
 ([`fresh2_b8_bf16_lockstep_avx512`](#fresh2_b8_bf16_lockstep_avx512)). `lookahead` verified
 2553 / 2464 / 2985 drafts there against suffix's 5853 / 5213 / 4385, 52 / 65 / 62% of them

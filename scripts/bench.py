@@ -502,10 +502,17 @@ def git_state(repo: str = REPO) -> dict | None:
     return {"sha": sha.strip(), "dirty": bool(code_changes(changed)), "changed": changed[:50]}
 
 
+#: environment variables a result depends on; ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY cap the ISA
+#: oneDNN's and torch's kernels use (e.g. `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2` on an
+#: AVX-512 host prices verification near an AVX2 host's): a run under such a cap says so
+ENV_PREFIXES = ("VLLM_", "OMP_", "KMP_", "NUMBA_", "MKL_", "ONEDNN_", "DNNL_", "ATEN_")
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+
+
 def host_record(argv: list | None = None) -> dict:
     """Everything about where and how a result was made: CPU (model, flags, ISA), cores, platform,
     Python / torch / vLLM versions, the engine environment variables, and the command line."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_", "KMP_", "NUMBA_", "MKL_"))}
+    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
     return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
             **cpu_info(), "versions": package_versions(), "env": env}
 

@@ -377,6 +377,13 @@ def _flags(flags) -> str:
     return " ".join(simd) if simd else " ".join(flags)
 
 
+def _isa_cap(machine: dict) -> str | None:
+    """The ISA caps the run was made under (`bench.ISA_CAPS`), if any: its prices are not the CPU's own."""
+    env = machine.get("env") or {}
+    caps = [f"{k}={env[k]}" for k in _bench().ISA_CAPS if env.get(k)]
+    return "kernels capped: " + " ".join(caps) if caps else None
+
+
 def host_of(out: dict) -> str:
     m = out.get("machine") or {}
     cpu = m.get("cpu")
@@ -388,6 +395,7 @@ def host_of(out: dict) -> str:
     parts = [f"CPU {model}" if model else f"CPU model {NOT_RECORDED}",
              f"{cores} CPUs" if cores else None,
              f"flags: {_flags(flags)}" if flags else f"CPU flags {NOT_RECORDED}",
+             _isa_cap(m),
              f"GPU {gpu}" if gpu else None,
              m.get("platform"), f"Python {m['python']}" if m.get("python") else None]
     return "; ".join(p for p in parts if p)

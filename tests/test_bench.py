@@ -148,8 +148,15 @@ def test_isa_summary(flags, isa):
     assert bench.isa_summary(flags) == isa
 
 
-def test_host_record_and_code_version_of_this_checkout():
+def test_host_record_and_code_version_of_this_checkout(monkeypatch):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")       # an ISA cap is part of the result
     host = bench.host_record()
+    assert host["env"]["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    gen_spec = importlib.util.spec_from_file_location("gen_docs", Path(bench.__file__).parent / "gen_docs.py")
+    gen_docs = importlib.util.module_from_spec(gen_spec)
+    gen_spec.loader.exec_module(gen_docs)
+    assert "kernels capped: ONEDNN_MAX_CPU_ISA=AVX2" in gen_docs.host_of({"machine": host})
+    assert "capped" not in gen_docs.host_of({"machine": {**host, "env": {}}})
     for key in ("cpu_model", "cpu_flags", "isa", "cpus", "platform", "python"):
         assert key in host
     assert host["isa"] in ("amx", "avx512", "avx2", "sve", "neon", "baseline")

@@ -200,6 +200,17 @@ batch 8, the two plain engines 1.6 / 3.4 / 4.7% apart, ran: `lookahead`
 `lookahead` verified 4.5 / 5.9 / 12.1 drafts a step (the batch's) against suffix's 8.1 / 7.6 /
 14.9, and 43 / 52 / 63% of them were accepted against 33 / 46 / 59%: where every verified
 token costs the whole batch, fewer and better drafts beat a higher tau.
+On this AVX-512 host with oneDNN's and torch's kernels capped at AVX2
+(`ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`; vLLM's own CPU kernels keep AVX-512),
+verifying 1 / 2 / 4 / 8 drafts at batch 1 in bf16 cost 1.33x / 1.77x / 2.75x / 4.57x a plain
+step, near the AVX2 host's price. There, at batch 1 on the first 6 fresh prompts of each
+category, all seven methods in one run (the two plain engines 4.4 / 5.4 / 4.6% apart): `lookahead`
+0.98x / 1.00x / 1.12x, `cascade` 0.97x / 1.03x / 1.09x, `mamba` 0.96x / 0.99x / 1.08x,
+`bandit_tree` 0.97x / 1.03x / 0.99x, `suffix` 0.91x / 1.00x / 1.03x, `ngram` 0.63x / 0.66x /
+0.64x ([`fresh_b1_bf16_capped_avx2_lockstep_avx512`](#fresh_b1_bf16_capped_avx2_lockstep_avx512)):
+where verification is this dear, chat runs a few percent under plain for every method (goodput
+had `lookahead` draft 107 chat tokens over 641 steps, 43 of them accepted: at 1.33x a step for
+one draft, drafts at ~40% acceptance about break even, and its steps cost 22.4 ms against 20.9).
 No result from an AMX host is committed yet: on a new host, run the same benchmark with
 `--draft-cost 0,1,2,4,8` before choosing a method.
 

@@ -1,14 +1,11 @@
 """scripts/bench.py's pure parts."""
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
+from _scripts import load
 
-spec = importlib.util.spec_from_file_location("bench", Path(__file__).parent.parent / "scripts" / "bench.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+bench = load("bench")
 
 
 def _classify(margin, dtype, reference=(7, 8, 9)):
@@ -69,10 +66,7 @@ def test_bandit_report_against_its_sweep_and_the_plots(tmp_path):
 
 
 def test_tree_tau_replay_walks_spine_and_leaves():
-    spec = importlib.util.spec_from_file_location("replay",
-                                                  Path(__file__).parent.parent / "scripts" / "tree_tau_replay.py")
-    replay = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(replay)
+    replay = load("tree_tau_replay")
     # rank of the target's token among the drafter's top tokens at each answer position (0: the
     # chain's token; a leaf of width w holds ranks < w, and the path ends at a leaf)
     ranks = [[0, 0, 1, 5, 0, 2]]
@@ -87,10 +81,7 @@ def test_goodput_replay_prices_steps_on_its_own_clock():
     asserts it), fewer steps, and a set time below plain's where a draft costs little. Every
     draft it verifies is accepted: as in the plugin, none past max_tokens is verified (a chain
     copied from the repeating text would run past the answer's end)."""
-    spec = importlib.util.spec_from_file_location("goodput_replay",
-                                                  Path(__file__).parent.parent / "scripts" / "goodput_replay.py")
-    replay = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(replay)
+    replay = load("goodput_replay")
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 2, [20, 21, 22, 23, 24, 25] * 3]
     answers = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 6, [20, 21, 22, 23, 24, 25] * 8]
     params = {"vocab_size": 100}
@@ -152,9 +143,7 @@ def test_host_record_and_code_version_of_this_checkout(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")       # an ISA cap is part of the result
     host = bench.host_record()
     assert host["env"]["ONEDNN_MAX_CPU_ISA"] == "AVX2"
-    gen_spec = importlib.util.spec_from_file_location("gen_docs", Path(bench.__file__).parent / "gen_docs.py")
-    gen_docs = importlib.util.module_from_spec(gen_spec)
-    gen_spec.loader.exec_module(gen_docs)
+    gen_docs = load("gen_docs")
     assert "kernels capped: ONEDNN_MAX_CPU_ISA=AVX2" in gen_docs.host_of({"machine": host})
     assert "capped" not in gen_docs.host_of({"machine": {**host, "env": {}}})
     for key in ("cpu_model", "cpu_flags", "isa", "cpus", "platform", "python"):

@@ -1,6 +1,5 @@
 """The package as a user gets it: generated docs current, the benchmark page from result JSONs,
 `--config NAME` resolution, and a wheel installed in a clean venv serving a packaged drop-in."""
-import importlib.util
 import json
 import os
 import re
@@ -13,19 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+from _scripts import load
 from test_serve import _free_port, _get, _post, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gen_docs = _load("gen_docs")
+gen_docs = load("gen_docs")
 
 
 # ---------------------------------------------------------------- generated docs
@@ -133,7 +126,7 @@ def _synthetic_result(bench, **extra) -> dict:
 
 
 def test_benchmarks_page_from_a_synthetic_result(tmp_path):
-    bench = _load("bench")
+    bench = load("bench")
     (tmp_path / "b8.json").write_text(json.dumps(_synthetic_result(bench)))
     text = gen_docs.render_results(str(tmp_path))
     assert "## `b8`" in text
@@ -153,7 +146,7 @@ def test_benchmarks_page_from_a_synthetic_result(tmp_path):
 
 
 def test_benchmarks_page_names_the_host_and_code_version_when_recorded(tmp_path):
-    bench = _load("bench")
+    bench = load("bench")
     res = _synthetic_result(bench, command="python scripts/bench.py --methods plain,lookahead",
                             git_sha="0123abc")
     res["machine"] |= {"cpu_model": "AMD EPYC 9R14", "cpu_flags": "fpu avx2 avx512f avx512_bf16 sse4_2 ht"}
@@ -190,7 +183,7 @@ def test_benchmarks_page_without_results(tmp_path):
 def test_when_speculation_pays_from_draft_cost_runs(tmp_path):
     """One row per result with `--draft-cost`: its host's ISA, the median price of L drafts over
     categories, and per category the fastest of our served methods beside vLLM's suffix."""
-    bench = _load("bench")
+    bench = load("bench")
     res = _synthetic_result(bench)
     res["machine"] |= {"cpu_model": "AMD EPYC 7B13", "cpu_flags": "fpu avx2 fma"}
     res["draft_cost"] = {c: {"0": {"ms": 30.0, "x_no_draft": 1.0}, "1": {"ms": 47.0, "x_no_draft": x1},

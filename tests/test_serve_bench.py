@@ -1,23 +1,13 @@
 """scripts/serve_bench.py's pure parts (no server): the prompt files `vllm bench serve` reads, the
 summary of its result, and the docs/benchmarks.md section scripts/gen_docs.py renders from it."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from _scripts import load
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-sb = _load("serve_bench")
-gen_docs = _load("gen_docs")
+sb = load("serve_bench")
+gen_docs = load("gen_docs")
 
 TEXTS = ["<|im_start|>user\nSay \"hi\" — twice.<|im_end|>\n<|im_start|>assistant\n", "second\n\n{json: 1}"]
 

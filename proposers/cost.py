@@ -1,7 +1,7 @@
 """A step's measured cost, fitted online: what `goodput` and `bandit_tree` price drafts with."""
 from __future__ import annotations
 
-import numpy as np
+import math
 
 
 def continues(prev_ids: set, requests) -> tuple[set, bool]:
@@ -63,13 +63,17 @@ class StepCost:
     def __init__(self, discount: float = 0.99, prior_tokens: float = 32.0,
                  ridge: tuple[float, float, float, float, float] = (16.0, 16.0, 1.0, 16.0, 256.0)):
         self.g, self.prior_tokens = discount, prior_tokens
-        self.ridge = np.diag([0.0, *ridge])
-        self.xtx = np.zeros((self.N_FEATURES, self.N_FEATURES))
-        self.xty = np.zeros(self.N_FEATURES)
+        self.ridge = (0.0, *ridge)             # per feature (the constant's is 0)
+        n = self.N_FEATURES
+        # Plain lists, not numpy: this runs between two forward passes, where a LAPACK call on a
+        # 6x6 system measured ~80 us in the engine (its code and data evicted by the pass), as
+        # long as all the rest of a step's goodput; the same solve in Python costs ~10 us.
+        self.xtx = [[0.0] * n for _ in range(n)]
+        self.xty = [0.0] * n
         self.n = 0
         self.plain_weight = 0.0        # discounted count of steps without drafts
         self.weight = 0.0              # discounted count of all steps
-        self._w: np.ndarray | None = None
+        self._w: list[float] | None = None
 
     def observe(self, tokens: float, seconds: float, drafts: bool = False, rows: int = 1, kv: float = 0.0,
                 prefill: float = 0.0) -> None:
@@ -77,11 +81,12 @@ class StepCost:
             return
         if self.n >= 16:                       # one stall (GC, another process) must not set the price
             seconds = min(seconds, 3.0 * self.predict(tokens, drafts, rows, kv, prefill))
-        x = np.array(self.features(tokens, drafts, rows, kv, prefill))
-        self.xtx = self.xtx * self.g + np.outer(x, x)
-        self.xty = self.xty * self.g + x * seconds
-        self.plain_weight = self.plain_weight * self.g + (not drafts)
-        self.weight = self.weight * self.g + 1.0
+        x, g = self.features(tokens, drafts, rows, kv, prefill), self.g
+        for xi, row in zip(x, self.xtx):
+            row[:] = [r * g + xi * xj for r, xj in zip(row, x)]
+        self.xty = [y * g + xi * seconds for y, xi in zip(self.xty, x)]
+        self.plain_weight = self.plain_weight * g + (not drafts)
+        self.weight = self.weight * g + 1.0
         self.n += 1
         self._w = None
 
@@ -94,17 +99,18 @@ class StepCost:
         pw = self.plain_weight
         return self.n > 0 and (pw < least or pw < min(cold, share * (self.weight - pw)))
 
-    def coef(self) -> np.ndarray | None:
-        """[a, b, p, c0, c1, e], or None before the first observation."""
+    def coef(self) -> list[float] | None:
+        """[a, b, p, c0, c1, e] (b, p, c0, c1, e >= 0), or None before the first observation."""
         if self.n == 0:
             return None
         if self._w is None:
-            m = self.xty[0] / self.xtx[0, 0] / self.prior_tokens
-            w0 = np.array([0.0, m, m, 0.0, 0.0, 0.0])
-            w = np.linalg.solve(self.xtx + self.ridge + 1e-9 * np.eye(self.N_FEATURES), self.xty + self.ridge @ w0)
-            w[1:] = np.maximum(w[1:], 0.0)
-            self._w = w
-        return self._w
+            m = self.xty[0] / self.xtx[0][0] / self.prior_tokens
+            prior = (0.0, m, m, 0.0, 0.0, 0.0)
+            lhs = [[v + (r + 1e-9 if i == j else 0.0) for j, v in enumerate(row)]
+                   for i, (row, r) in enumerate(zip(self.xtx, self.ridge))]
+            w = solve_spd(lhs, [y + r * w0 for y, r, w0 in zip(self.xty, self.ridge, prior)])
+            self._w = [w[0], *(max(x, 0.0) for x in w[1:])]
+        return list(self._w)
 
     def fit(self, rows: int = 1, context: float = 0.0) -> tuple[float, float, float] | None:
         """(a, b, jump at `rows` rows) as plain floats (callers' state crosses processes over
@@ -116,7 +122,9 @@ class StepCost:
     def weights(self) -> list[float] | None:
         """[a, b, p, c0, c1, e] as plain floats, a >= 0: predict = weights . features."""
         w = self.coef()
-        return None if w is None else [max(float(w[0]), 0.0), *(float(x) for x in w[1:])]
+        if w is not None:
+            w[0] = max(w[0], 0.0)
+        return w
 
     @staticmethod
     def features(tokens: float, drafts: bool = False, rows: int = 1, kv: float = 0.0,
@@ -128,3 +136,23 @@ class StepCost:
                 prefill: float = 0.0) -> float:
         w = self.weights()
         return 0.0 if w is None else sum(a * x for a, x in zip(w, self.features(tokens, drafts, rows, kv, prefill)))
+
+
+def solve_spd(m: list[list[float]], v: list[float]) -> list[float]:
+    """x with m x = v, m symmetric positive definite (a small one: lists): Cholesky, then the two
+    triangular solves."""
+    n = len(v)
+    low = [[0.0] * n for _ in range(n)]
+    for i in range(n):
+        li = low[i]
+        for j in range(i + 1):
+            lj = low[j]
+            t = m[i][j] - sum(li[k] * lj[k] for k in range(j))
+            li[j] = math.sqrt(max(t, 1e-300)) if i == j else t / lj[j]
+    y = [0.0] * n
+    for i in range(n):
+        y[i] = (v[i] - sum(low[i][k] * y[k] for k in range(i))) / low[i][i]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (y[i] - sum(low[k][i] * x[k] for k in range(i + 1, n))) / low[i][i]
+    return x

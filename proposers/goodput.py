@@ -102,21 +102,23 @@ class AcceptModel:
 
     def observe(self, rid: str, classes: list[int], accepted: int) -> None:
         """A verified chain: tokens 0..accepted were reached, 0..accepted-1 accepted."""
-        reached = np.asarray(classes[:accepted + 1], dtype=np.int64)
+        reached = classes[:accepted + 1]
         if not len(reached):
             return
         hit = reached[:accepted]
-        self.tries *= self.decay
-        self.hits *= self.decay
-        np.add.at(self.tries, reached, 1.0)
-        np.add.at(self.hits, hit, 1.0)
         r = self.req.get(rid)
         if r is None:
             r = self.req[rid] = (np.zeros_like(self.prior), np.zeros_like(self.prior))
+        self.tries *= self.decay
+        self.hits *= self.decay
         r[0][:] *= self.rdecay
         r[1][:] *= self.rdecay
-        np.add.at(r[0], reached, 1.0)
-        np.add.at(r[1], hit, 1.0)
+        for c in reached:        # a few tokens a step: a loop costs less than np.add.at's set-up
+            self.tries[c] += 1.0
+            r[0][c] += 1.0
+        for c in hit:
+            self.hits[c] += 1.0
+            r[1][c] += 1.0
 
     def release(self, rid: str) -> None:
         self.req.pop(rid, None)
@@ -444,8 +446,9 @@ class Goodput(Proposer):
                     bucket["gain"] = self._ema(bucket["gain"], g, w, bucket["n"])
                     bucket["kept"] = self._ema(bucket["kept"], sum(kept) / m, w, bucket["n"])
                     bucket["frac"] = self._ema(bucket["frac"], float(any(kept)), w, bucket["n"])
-                    for j, p in enumerate(self._reach):
-                        bucket["reach"][j] = self._ema(bucket["reach"][j], p, w)
+                    reach = bucket["reach"]
+                    for j, p in enumerate(self._reach):      # `_ema`, inline: up to k depths a step
+                        reach[j] = p if reach[j] is None else (1 - w) * reach[j] + w * p
                     self._pending = self._last_gain
         self.last_end = self.clock()
         return out
@@ -472,28 +475,35 @@ class Goodput(Proposer):
             self._forced = True    # a step without drafts now and then: keeps the jump measured
             return keep
         glob = self.accept.global_rate()
-        ps, ds, rs = [], [], []                    # per cuttable row: chances, depths, row index
+        # every cuttable token as (-p, depth, row), p its chance of acceptance (the product of its
+        # own and its ancestors' rates); plain lists: a step has tens of tokens, not thousands
+        items: list[tuple[float, int, int]] = []
+        reach: list[float] = []                    # summed p per depth
         for i, (req, d, c) in enumerate(zip(ctx.requests, drafts, classes)):
             if not _cuttable(req, d):
                 continue
-            ps.append(np.cumprod(self.accept.rates(req.req_id, glob)[np.asarray(c[:len(d)], dtype=np.int64)]))
-            ds.append(np.arange(len(d)))
-            rs.append(np.full(len(d), i))
+            rate, p = self.accept.rates(req.req_id, glob).tolist(), 1.0
+            for j, cl in enumerate(c[:len(d)]):
+                p *= rate[cl]
+                items.append((-p, j, i))
+                if j < len(reach):
+                    reach[j] += p
+                else:
+                    reach.append(p)
         rows = sum(1 for d in drafts if len(d))
         depth = max((len(d) for d in drafts), default=0)
-        if not ps:
+        if not items:
             self._reach = [0.0] * depth
             return keep
-        p_all, d_all, r_all = np.concatenate(ps), np.concatenate(ds), np.concatenate(rs)
-        reach = np.bincount(d_all, weights=p_all, minlength=depth)
-        self._reach = (reach[:depth] / max(rows, 1)).tolist()   # mean chance per depth (`_depth`)
+        self._reach = [x / max(rows, 1) for x in reach] + [0.0] * (depth - len(reach))   # mean per depth (`_depth`)
         a, b, jump = self.cost.fit(n, self.context)
         # Best p first; ties go to the shallower token, then to the earlier row. p falls along a
         # chain (rates <= 1), so what is kept is a prefix of every chain. Only the head of the
         # order is walked: the cut stops at the first token that does not pay.
-        order = np.lexsort((r_all, d_all, -p_all))
+        items.sort()
         made, extra = float(n), 0
-        for p, i in zip(p_all[order].tolist(), r_all[order].tolist()):
+        for neg_p, _, i in items:
+            p = -neg_p
             if p * (a + b * (n + extra) + jump) <= b * made:     # p <= b * R: this and all after lose
                 break
             keep[i] += 1

@@ -60,6 +60,18 @@ def test_step_cost_recovers_a_line_and_ignores_one_stall():
     assert a == pytest.approx(0.015, rel=0.1) and b == pytest.approx(0.0004, rel=0.1) and jump < 1e-4
 
 
+def test_step_cost_solve_matches_lapack():
+    """The fit's 6x6 solve is plain Python (see `StepCost`): it must agree with LAPACK on
+    systems shaped like the fit's (features from 1 to thousands, the ridge on the diagonal)."""
+    from vllm_spec_plugins.proposers.cost import solve_spd
+    rng = np.random.default_rng(4)
+    for _ in range(20):
+        x = rng.random((40, 6)) * [1, 64, 400, 1, 16, 3000]
+        m = x.T @ x + np.diag([1e-9, 16, 16, 1, 16, 256])
+        v = rng.random(6) * 0.05
+        np.testing.assert_allclose(solve_spd(m.tolist(), v.tolist()), np.linalg.solve(m, v), rtol=1e-9, atol=1e-15)
+
+
 def test_step_cost_without_token_variation_leans_on_its_prior():
     c = StepCost()
     for _ in range(50):

@@ -313,17 +313,13 @@ class LookaheadProposer(Proposer):
     def _shift_window(self, st: _State, t: np.ndarray, base: int, d: tuple, A: tuple | None) -> None:
         """Next Jacobi window, by absolute position: A[p - base] for the positions we drafted
         (A[a+1:], a = num_accepted), then older guesses beyond them, then pads."""
-        L = len(t)
+        L, W = len(t), self.window
         old, old_start = st.window, st.start
-        w: list[int] = []
-        for p in range(L, L + self.window):
-            if A is not None and p - base <= len(d):
-                w.append(A[p - base])
-            elif 0 <= p - old_start < len(old):
-                w.append(old[p - old_start])
-            else:
-                break
-        while len(w) < self.window:  # paper: random prompt tokens; here a deterministic LCG pick
+        w = list(A[L - base:len(d) + 1][:W]) if A is not None else []
+        i = L + len(w) - old_start          # the old window's index of the next position
+        if len(w) < W and 0 <= i < len(old):
+            w += old[i:i + W - len(w)]
+        while len(w) < W:  # paper: random prompt tokens; here a deterministic LCG pick
             st.rng = (st.rng * 6364136223846793005 + 1442695040888963407) & 0xFFFFFFFFFFFFFFFF
             w.append(int(t[(st.rng >> 33) % L]))
         st.window, st.start = w, L

@@ -175,7 +175,7 @@ class _State:
         self.rng = 0x9E3779B97F4A7C15
         # tree form only
         self.lpath: list[list[int]] = []  # lookahead branches drafted last step (from position start)
-        self.proposed: tuple | None = None  # (tokens, parents, node classes) drafted last step
+        self.proposed: tuple | None = None  # (tokens, parents, node classes, node scores) drafted last step
         self.tries: list[float] | None = None  # per node class: decayed reach / accept counts
         self.hits: list[float] | None = None
         self.touched: list[int] | None = None
@@ -726,7 +726,7 @@ class LookaheadProposer(Proposer):
         order = sorted((-node for _, node in top), key=lambda i: (-score[i], i))
         tree, order = shaped_tree(order, toks, pars, widths, keep if widths is not None else 0, also, subsets,
                                   min(self.tree_nodes, k))
-        st.proposed = (tree.tokens, tree.parents, [cls[i] for i in order])
+        st.proposed = (tree.tokens, tree.parents, [cls[i] for i in order], [score[i] for i in order])
         return tree
 
 

@@ -251,16 +251,22 @@ def test_bandit_speculates_when_cheap_and_backs_off_when_costly():
     share = chosen(p, skip=200)
     assert share.get("none", 0) < 0.1, share
     # every drafted token costs three plain steps (a saturated batch): back off, and end up no
-    # slower than never speculating
-    clock = CostClock(1.0, 3.0)
-    p = BanditTreeProposer(BanditTreeConfig(16), clock=clock, vocab_size=50)
-    run_bandit(p, clock, f, prompts, 1200)
-    share = chosen(p, skip=100)
-    assert share["none"] > 0.8, share
+    # slower than never speculating. Without the row gate the bandit backs off by its arms; with
+    # it (the default) a costly arm drafts only where a row's tree pays, so it costs less to pull
     none_clock = CostClock(1.0, 3.0)
     run_bandit(BanditTreeProposer(BanditTreeConfig(16, shapes=[[]]), clock=none_clock, vocab_size=50), none_clock, f,
                prompts, 1200)
-    assert clock.t <= 1.08 * none_clock.t, (clock.t, none_clock.t)   # exploration included
+    seconds = {}
+    for gate in (False, True):
+        clock = CostClock(1.0, 3.0)
+        p = BanditTreeProposer(BanditTreeConfig(16, row_gate=gate), clock=clock, vocab_size=50)
+        run_bandit(p, clock, f, prompts, 1200)
+        share = chosen(p, skip=100)
+        if not gate:
+            assert share["none"] > 0.8, share
+        assert clock.t <= 1.08 * none_clock.t, (gate, clock.t, none_clock.t)   # exploration included
+        seconds[gate] = clock.t
+    assert seconds[True] < seconds[False], seconds     # the gate spares the trees that do not pay
     assert "none" in p.describe() and p.inspect()["tables"]
 
     def plain(x):     # the state crosses processes (vLLM's msgpack): no numpy scalars
@@ -355,8 +361,9 @@ def test_side_observations_are_exact_for_sub_shapes():
     assert table.pulls[1] == 0 and table.pulls[2] > 50
     assert table.pulls[0] <= table.pulls[2] / 20    # only the plain steps that keep the cost's jump measured
     assert table.ntok[0] > 0 and table.ntok[1] > 0                  # tokens seen, never pulled
-    # discount 1: the side observations' means are exact counts from the verified chains
-    p2 = BanditTreeProposer(BanditTreeConfig(8, shapes=[[], [1], [1, 1, 1, 1]], discount=1.0),
+    # discount 1: the side observations' means are exact counts from the verified chains (every
+    # step drafts: no row gate)
+    p2 = BanditTreeProposer(BanditTreeConfig(8, shapes=[[], [1], [1, 1, 1, 1]], discount=1.0, row_gate=False),
                             clock=CostClock(1.0, 0.01), vocab_size=50)
     t2 = p2.table(("global", 1))
     t2.choose = lambda price, allowed=None, w=None: 2

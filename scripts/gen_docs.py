@@ -69,6 +69,13 @@ it on its own host, beside the speed our served defaults reached there (cold ser
 <!-- pays:begin -->
 <!-- pays:end -->
 
+Every run with all seven methods at their served defaults (bench.py's own configs) in one
+invocation, cold, on the fresh prompts; the code column is the commit it ran (older rows ran
+older code: their sections below say what changed since).
+
+<!-- served:begin -->
+<!-- served:end -->
+
 Read a row as: where the price of the drafts a method keeps stays under its tau, it is faster than
 plain. At batch 1 on AVX-512 a step that verifies up to 8 drafts costs little more than a plain
 step (and not linearly: 1 draft costs more than 2 or 4 there), so every method that drafts
@@ -736,6 +743,51 @@ def render_pays(results_dir: str = RESULTS_DIR) -> str:
                      + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+#: the methods a row of the served-defaults table needs, in its column order: ours, then vLLM's
+SERVED_TABLE = ("lookahead", "bandit_tree", "mamba", "cascade", "suffix", "ngram")
+
+
+def render_served(results_dir: str = RESULTS_DIR) -> str:
+    """One row per result JSON that ran every method of `SERVED_TABLE` at its served default beside
+    plain, cold, on the fresh prompts: per method x plain's tokens/s per category (with tau for
+    `lookahead` and `suffix`), and how far apart the run's two plain engines were."""
+    rows, cats_seen = [], None
+    for path in result_files(results_dir):
+        out = _read_json(path)
+        results, cfg = out.get("results") or {}, out.get("config") or {}
+        # bench.py's own configs (no --method-config): every method as served by default
+        if (cfg.get("prompt_source", cfg.get("prompts")) != "fresh" or not cfg.get("cold") or "plain" not in results
+                or cfg.get("method_config") or not all(m in results for m in SERVED_TABLE)):
+            continue
+        cats = list(cfg.get("n_prompts") or results["plain"])
+        cats_seen = cats_seen or cats
+        apart = []
+        for c in cats:
+            fl = results["plain"].get(c, {}).get("tokens_per_s_first_last")
+            apart.append(f"{abs(fl[0] - fl[1]) / ((fl[0] + fl[1]) / 2) * 100:.1f}" if fl and sum(fl) else "-")
+        name = os.path.splitext(os.path.basename(path))[0]
+        cap = " (capped)" if _isa_cap(out.get("machine") or {}) else ""
+        n = cfg.get("n_prompts") or {}
+        sha = ((out.get("git") or {}).get("sha") or "")[:7] or NOT_RECORDED
+        cells = [f"[`{name}`](#{name})", f"`{sha}`", host_class(out) + cap, str(cfg.get("dtype")),
+                 str(cfg.get("batch_size")), " / ".join(str(n.get(c, "-")) for c in cats), " / ".join(apart) + "%"]
+        for m in SERVED_TABLE:
+            r = results[m]
+            cell = " / ".join(f"{r[c].get('speedup_vs_plain', 0):.2f}" if c in r else "-" for c in cats)
+            if m in ("lookahead", "suffix"):
+                cell += " (tau " + " / ".join(f"{r[c].get('tau', 0):.2f}" if c in r else "-" for c in cats) + ")"
+            cells.append(cell)
+        rows.append(((cells[2], cells[3], int(cfg.get("batch_size") or 0), name), cells))
+    if not rows:
+        return "No result here ran every served method beside plain, cold, on the fresh prompts yet."
+    rows = [cells for _, cells in sorted(rows)]      # by host, dtype, batch size, then name
+    head = ["run", "code", "host", "dtype", "batch", "prompts", "plain engines apart",
+            *(f"`{m}`" for m in SERVED_TABLE)]
+    return "\n".join([f"x plain's tokens/s, {' / '.join(cats_seen)}:", "",
+                      "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                     + ["| " + " | ".join(r) + " |" for r in rows])
+
+
 # ------------------------------------------------------------------ the GPU check
 GPU_RESULTS_DIR = os.path.join(ROOT, "docs", "gpu_results")
 GPU_PLOT = os.path.join(GPU_RESULTS_DIR, "verification_cost.png")
@@ -903,6 +955,8 @@ def targets(results_dir: str = RESULTS_DIR, gpu_dir: str = GPU_RESULTS_DIR) -> d
         head = BENCHMARKS_TEMPLATE[:BENCHMARKS_TEMPLATE.index("<!-- results:begin -->")]   # from the template
         current = head + current[current.index("<!-- results:begin -->"):]
     current = replace_between(current, "pays", render_pays(results_dir), BENCHMARKS_MD)
+    if "<!-- served:begin -->" in current:
+        current = replace_between(current, "served", render_served(results_dir), BENCHMARKS_MD)
     current = replace_between(current, "gpu", render_gpu(gpu_dir), BENCHMARKS_MD)
     out[BENCHMARKS_MD] = replace_between(current, "results", render_results(results_dir), BENCHMARKS_MD)
     return out

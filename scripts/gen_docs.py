@@ -76,150 +76,62 @@ older code: their sections below say what changed since).
 <!-- served:begin -->
 <!-- served:end -->
 
-Read a row as: where the price of the drafts a method keeps stays under its tau, it is faster than
-plain. At batch 1 on AVX-512 a step that verifies up to 8 drafts costs little more than a plain
-step (and not linearly: 1 draft costs more than 2 or 4 there), so every method that drafts
-pays; at batch 8 every row's drafts add up, and only well-accepted ones pay (goodput switches the
-drafter-based methods' drafters off there). With all seven methods at their served defaults in
-one run there, in bf16, at batch 1 (the two plain engines 5.3 / 5.3 / 5.4% apart) every method
-of the plugin paid on chat / code / repetitive text: `lookahead` 1.48x / 1.76x / 2.21x plain at
-a tau of 1.52 / 1.80 / 2.64, `suffix` 1.37x / 1.70x / 2.09x at 1.43 / 1.84 / 2.42, `bandit_tree`
-1.45x / 1.64x / 1.76x, `mamba` 1.31x / 1.57x / 1.99x, `cascade` 1.25x / 1.61x / 1.77x, `ngram`
-1.04x / 1.19x / 1.47x ([`fresh_b1_bf16_lockstep_avx512`](#fresh_b1_bf16_lockstep_avx512); a
-second run, [`_repeat2`](#fresh_b1_bf16_lockstep_avx512_repeat2), plain engines 2.0 / 2.7 / 1.6%
-apart: `lookahead` 1.52x / 1.87x / 2.31x at a tau of 1.54 / 1.92 / 2.66, `suffix` 1.40x / 1.72x /
-2.15x at 1.43 / 1.84 / 2.42, every other method 1.07x-2.08x); at
-batch 8 (the two plain engines 7.7 / 5.1 / 5.2% apart) code and repetitive text paid for every
-method of the plugin (`lookahead` 1.09x / 1.30x, `cascade` 1.11x / 1.29x, `mamba` 1.05x / 1.18x,
-`bandit_tree` 1.05x / 1.15x; `suffix` 1.08x / 1.31x) and chat for none (`lookahead` 0.99x, the
-others 0.92x-0.96x, `suffix` 0.93x: mostly within the plain engines' spread)
-([`fresh_b8_bf16_lockstep_avx512`](#fresh_b8_bf16_lockstep_avx512)). Two more such runs at
-batch 8 ([`_repeat2`](#fresh_b8_bf16_lockstep_avx512_repeat2), plain engines 10.5 / 9.6 / 7.1%
-apart; [`_repeat3`](#fresh_b8_bf16_lockstep_avx512_repeat3), 7.1 / 5.1 / 5.8%) moved a method by
-up to 0.24x (`mamba` on repetitive text: 1.18x, 1.35x, 1.42x): one run does not rank methods
-that close. Over the three, chat averaged `lookahead` 0.99x (above `suffix` in each run),
-`cascade` 0.97x, `mamba` 0.96x, `bandit_tree` 0.95x, `suffix` 0.93x, `ngram` 0.67x; code
-`cascade` 1.12x, `suffix` 1.09x, `lookahead` 1.08x, `bandit_tree` 1.07x, `mamba` 1.05x, `ngram`
-0.79x; repetitive text 1.31x-1.32x for `lookahead`, `mamba`, `cascade` and `suffix`,
-`bandit_tree` 1.14x, `ngram` 0.87x. On the 120-prompt set, bf16, every method of the plugin
-paid on chat / code / repetitive text at both batch sizes. At batch 1 (the two plain engines 7.3
-/ 6.3 / 6.2% apart): `lookahead` 1.60x / 1.88x / 2.16x plain at a tau of 1.65 / 2.00 / 2.67,
-`bandit_tree` 1.51x / 1.77x / 2.12x, `mamba` 1.30x / 1.59x / 1.95x, `cascade` 1.33x / 1.61x /
-1.75x, against `suffix`'s 1.45x / 1.83x / 2.03x at 1.52 / 2.03 / 2.45 and `ngram`'s 1.05x /
-1.27x / 1.45x ([`fresh2_b1_bf16_lockstep_avx512`](#fresh2_b1_bf16_lockstep_avx512)). At batch 8
-(the two plain engines 9.9 / 8.6 / 6.2% apart): `lookahead` 1.09x / 1.18x / 1.21x plain at a
-tau of 1.28 / 1.46 / 1.93, `mamba` 1.08x / 1.16x / 1.12x, `cascade` 1.07x / 1.17x / 1.20x,
-`bandit_tree` 1.01x / 1.05x / 1.09x, against
-`suffix`'s 1.05x / 1.15x / 1.15x at 1.51 / 1.86 / 2.47 and `ngram`'s 0.74x / 0.79x / 0.78x
-([`fresh2_b8_bf16_lockstep_avx512`](#fresh2_b8_bf16_lockstep_avx512)). `lookahead` verified
-2553 / 2464 / 2985 drafts there against suffix's 5853 / 5213 / 4385, 52 / 65 / 62% of them
-accepted against 35 / 44 / 52%: goodput keeps the drafts that pay at batch 8, so its tau stays
-under suffix's while its tokens/s is above. The same command again
-([`_repeat2`](#fresh2_b8_bf16_lockstep_avx512_repeat2), plain engines 4.0 / 3.3 / 2.5% apart):
-`lookahead` 1.05x / 1.09x / 1.14x, `mamba` 1.04x / 1.12x / 1.09x, `cascade` 1.05x / 1.10x /
-1.18x, `bandit_tree` 0.97x / 1.03x / 1.09x, `suffix` 1.01x / 1.05x / 1.15x, `ngram` 0.71x /
-0.76x / 0.76x: `bandit_tree`'s chat under plain's there (it drafts on few steps at batch 8, each
-for every row), `lookahead` level with `suffix` on repetitive text. A third batch-8 run on the
-120 prompts, beside `lookahead` with goodput off (16 drafts a row), the two plain engines 5.9 / 5.1 / 2.8% apart,
-gave `lookahead` 1.00x / 1.08x / 1.11x at a tau of 1.24 / 1.46 / 1.84 and `suffix` 0.93x / 1.02x
-/ 1.08x at 1.51 / 1.86 / 2.47: `lookahead`'s chat at batch 8 ran 1.09x, 1.05x and 1.00x in the
-three runs, each above `suffix`'s.
-With goodput off, `lookahead`'s tau was above suffix's on all three (1.68 / 2.10 / 2.84), at
-0.32x / 0.43x / 0.61x plain's tokens/s: it verified 4.6-9.3x as many drafts as `suffix`
-([`fresh2_b8_bf16_fixed_lockstep_avx512`](#fresh2_b8_bf16_fixed_lockstep_avx512)). In a step whose every
-request is greedy the plugin's methods read the verdict off the target's argmax; `suffix` and
-`ngram` go through vLLM's rejection sampler, ~1 ms a drafting step here (a bonus-token sampler
-pass, an fp32 copy of the target logits and torch's argmax over them; timed in process).
-`mamba` and `cascade` pay there because n-gram lookup drafts alone while their drafter does not
-pay: a drafter merely switched off drafts nothing and still costs each step ~0.45 ms more than
-a plain one (goodput's bookkeeping and the runner hooks, vLLM's spec-decode metadata; timed in
-process), and a cold server ~67 ms of probes (`mamba` on chat). On chat at batch 8 a set of
-eight requests ends with its slowest: there `lookahead`, `mamba` and `cascade`
-finished requests 1.02x-1.10x sooner on average than plain, the set's last one a little later:
-every step paid for all rows' drafts. Serve bf16 on such a host: on the same one, in float32 at
-batch 8, plain decoded chat at 197 tok/s (291 in bf16 in the batch-8 run above) and verifying 1 / 2 / 4 / 8
-drafts per row cost 1.37x / 1.76x / 2.50x / 3.95x a plain step
-([`draft_cost_b8_f32_avx512`](#draft_cost_b8_f32_avx512)), against 1.24x / 1.54x / 2.08x / 3.23x
-in bf16 on another host of its kind. In float32 at batch 8 on this host, with all seven methods
-at their served defaults in one run (the two plain engines 4.4 / 4.0 / 2.6% apart), `lookahead`
-paid on chat / code / repetitive text, 1.01x / 1.12x / 1.42x plain at a tau of 1.25 / 1.52 /
-2.23, against `suffix`'s 0.92x / 1.01x / 1.42x at 1.42 / 1.72 / 2.62; `cascade` ran 0.99x /
-1.12x / 1.39x, `mamba` 0.99x / 1.01x / 1.32x, `bandit_tree` 0.92x / 1.00x / 1.16x, `ngram`
-0.66x / 0.75x / 0.89x ([`fresh_b8_f32_lockstep_avx512`](#fresh_b8_f32_lockstep_avx512)).
-With a short text match's tokens past its agreement priced as a class of their own (as
-served), the model-free methods ran, at batch 1 (the two plain engines 5.0 / 5.2 / 4.4% apart):
-`lookahead` 1.40x / 1.69x / 2.12x plain at a tau of 1.54 / 1.82 / 2.62, `suffix` 1.32x / 1.69x /
-2.09x at 1.43 / 1.84 / 2.42, `ngram` 1.00x / 1.15x / 1.46x
-([`fresh_b1_bf16_model_free_lockstep_avx512`](#fresh_b1_bf16_model_free_lockstep_avx512)); at
-batch 8 (the two plain engines 2.5 / 14 / 1.6% apart: code's ratios are noise there):
-`lookahead` 1.03x / 1.07x / 1.35x at 1.27 / 1.41 / 1.86, `suffix` 1.00x / 1.06x / 1.33x at 1.44 /
-1.65 / 2.23, `ngram` 0.66x / 0.77x / 0.92x
-([`fresh_b8_bf16_model_free_lockstep_avx512`](#fresh_b8_bf16_model_free_lockstep_avx512)).
-On a 2-core AVX2-only host (no AVX-512, no AMX; plain bf16
-decodes at ~16 tok/s at batch 1 there), a bf16 step that verifies drafts is dear: a drafting step
-of vLLM's `suffix` cost ~+43 ms for 1.7 drafts on chat against a ~62 ms plain step, and at batch 1
-no method paid in bf16: every one, `suffix` included, ran 0.90x-1.01x plain, the two plain engines
-3.0-4.6% apart ([`fresh_b1_bf16_lockstep_avx2`](#fresh_b1_bf16_lockstep_avx2)). In float32 on
-the same kind of host plain decodes nearly as fast as in bf16 and verifying 1 / 2 / 4 / 8 / 16
-drafts costs 1.06x / 1.12x / 1.29x / 1.48x / 1.78x a plain step: the first drafts cost the most
-([`draft_cost_b1_f32_avx2`](#draft_cost_b1_f32_avx2)).
-There, at batch 1, with all seven methods at their served defaults in one run and the two plain
-engines 2.1-4.3% apart ([`fresh_b1_f32_lockstep_avx2`](#fresh_b1_f32_lockstep_avx2)), every
-method paid on chat / code / repetitive text: `suffix` 1.29x / 1.35x / 1.93x plain, `lookahead`
-1.16x / 1.27x / 1.84x, `bandit_tree` 1.17x / 1.34x / 1.68x, `cascade` 1.08x / 1.17x / 1.29x,
-`mamba` 1.05x / 1.09x / 1.01x, `ngram` 1.00x / 1.02x / 1.32x. `lookahead`'s tau was level with or
-above suffix's (1.42 / 1.79 / 2.84 against 1.42 / 1.73 / 2.62), but it verified 1.5-1.8x as many
-drafts to get there (22-35% of its drafts accepted, suffix's 33-58%), so its steps cost more
-(chat: 66.8 ms a step against 58.6 ms). With a text match that agrees with the context over
-fewer than 8 tokens cut to the tokens it agrees over (the code of that run), the model-free
-methods at batch 1, the two plain engines 5.0 / 3.5 / 4.2% apart, ran: `lookahead` 1.26x / 1.64x / 1.92x at
-a tau of 1.42 / 1.81 / 2.65, `suffix` 1.24x / 1.53x / 1.90x at 1.42 / 1.73 / 2.62, `ngram` 0.87x
-/ 1.04x / 1.17x ([`fresh_b1_f32_model_free_lockstep_avx2`](#fresh_b1_f32_model_free_lockstep_avx2));
-`lookahead` verified 1.65 / 2.33 / 3.55 drafts a step against suffix's 1.23 / 1.55 / 2.62 (1.92 /
-2.67 / 5.25 in the all-seven run). In a run of `lookahead` beside `suffix` and a 6-draft cap alone,
-the two were level at batch 1: 1.24x / 1.44x / 1.86x against `suffix`'s 1.25x / 1.39x / 1.89x, at
-a tau of 1.43 / 1.81 / 2.82 against 1.42 / 1.73 / 2.62
-([`fresh_b1_f32_lookahead_k16_lockstep_avx2`](#fresh_b1_f32_lookahead_k16_lockstep_avx2)),
-and 0.95x / 1.03x / 1.36x against 0.96x / 1.09x / 1.43x at batch 8, 2-3% behind the 6-draft cap
-there ([`fresh_b8_f32_lookahead_k16_lockstep_avx2`](#fresh_b8_f32_lookahead_k16_lockstep_avx2)).
-On an AVX2-only host, serve float32 (the
-plugin warns at start-up when a bf16 target meets a CPU without AVX512-BF16 or AMX). At batch 8
-there, with all seven methods at their served defaults and the two plain engines 1.5-2.8% apart
-([`fresh_b8_f32_lockstep_avx2`](#fresh_b8_f32_lockstep_avx2)), chat pays for no method in
-tokens/s (`lookahead` 0.92x, `suffix` 0.90x), code and repetitive text pay for the model-free
-ones (`lookahead` 1.13x / 1.39x, `suffix` 1.08x / 1.47x, `bandit_tree` 1.06x / 1.09x), and the
-drafter methods draft next to nothing and run 0.93x-0.98x (`cascade` drafted no token on code,
-`mamba` ran at tau 1.00). With a cold batch learning a drafter on a few rows (as served),
-beside `ngram` and `suffix`, the two plain engines 5.5 / 2.9 / 3.5% apart, the drafter methods at
-batch 8 still draft next to nothing and still cost a little: `mamba` 0.96x / 1.01x / 0.98x and
-`cascade` 0.94x / 0.95x / 0.98x (tau 1.00), `bandit_tree` 0.93x / 1.11x / 1.20x, `suffix` 0.99x /
-1.08x / 1.42x ([`fresh_b8_f32_drafters_lockstep_avx2`](#fresh_b8_f32_drafters_lockstep_avx2)).
-A set's tokens/s is set by its last request: `lookahead`'s requests
-finished sooner on average in every category there (mean latency 1.02x / 1.27x / 1.34x plain's),
-chat included, but a token accepted for a request that finishes before the set's last one does
-not bring the set's end forward, and every drafting step costs the whole batch. With a text
-match that agrees with the context over 8 or more tokens priced as a class of its own and a
-shorter one cut to the tokens it agrees over (the code of that run), the model-free methods at
-batch 8, the two plain engines 1.6 / 3.4 / 4.7% apart, ran: `lookahead`
-0.96x / 1.13x / 1.35x at a tau of 1.28 / 1.59 / 2.34, `suffix` 0.86x / 1.05x / 1.31x at 1.42 /
-1.72 / 2.62, `ngram` 0.66x / 0.79x / 0.89x
-([`fresh_b8_f32_model_free_lockstep_avx2`](#fresh_b8_f32_model_free_lockstep_avx2)).
-`lookahead` verified 4.5 / 5.9 / 12.1 drafts a step (the batch's) against suffix's 8.1 / 7.6 /
-14.9, and 43 / 52 / 63% of them were accepted against 33 / 46 / 59%: where every verified
-token costs the whole batch, fewer and better drafts beat a higher tau.
-On this AVX-512 host with oneDNN's and torch's kernels capped at AVX2
-(`ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`; vLLM's own CPU kernels keep AVX-512),
-verifying 1 / 2 / 4 / 8 drafts at batch 1 in bf16 cost 1.33x / 1.77x / 2.75x / 4.57x a plain
-step, near the AVX2 host's price. There, at batch 1 on the first 6 fresh prompts of each
-category, all seven methods in one run (the two plain engines 4.4 / 5.4 / 4.6% apart): `lookahead`
-0.98x / 1.00x / 1.12x, `cascade` 0.97x / 1.03x / 1.09x, `mamba` 0.96x / 0.99x / 1.08x,
-`bandit_tree` 0.97x / 1.03x / 0.99x, `suffix` 0.91x / 1.00x / 1.03x, `ngram` 0.63x / 0.66x /
-0.64x ([`fresh_b1_bf16_capped_avx2_lockstep_avx512`](#fresh_b1_bf16_capped_avx2_lockstep_avx512)):
-where verification is this dear, chat runs a few percent under plain for every method (goodput
-had `lookahead` draft 107 chat tokens over 641 steps, 43 of them accepted: at 1.33x a step for
-one draft, drafts at ~40% acceptance about break even, and its steps cost 22.4 ms against 20.9).
-No result from an AMX host is committed yet: on a new host, run the same benchmark with
-`--draft-cost 0,1,2,4,8` before choosing a method.
+Read a row of the first table as: where the price of the drafts a method keeps stays under its
+tau, it is faster than plain. What the runs show, per kind of host:
+
+- **AVX-512 with AVX512-BF16, bf16, batch 1**: a step verifying up to 8 drafts costs little more
+  than a plain step (1.11x / 0.99x / 1.00x / 1.22x for 1 / 2 / 4 / 8), so every method that
+  drafts pays. On the 120 fresh prompts `lookahead` ran above `suffix` in tokens/s on chat, code
+  and repetitive text, its tau above suffix's on chat and repetitive text and 2.00 against 2.03 on
+  code.
+- **The same, batch 8**: every row's drafts add up (1.24x / 1.54x / 2.08x / 3.23x), and only
+  well-accepted drafts pay. Goodput keeps fewer, better ones: in
+  [`fresh2_b8_bf16_lockstep_avx512_rowgate`](#fresh2_b8_bf16_lockstep_avx512_rowgate) `lookahead`
+  verified 2419 / 2574 / 2722 drafts against suffix's 5853 / 5213 / 4385, 53 / 63 / 63% of them
+  accepted against 35 / 44 / 52%: a lower tau than suffix's, more tokens/s. `bandit_tree` drafts
+  one shape for every row of a step, and a row whose tree cannot pay for its nodes drafts nothing:
+  36% of its chat drafts were accepted there (20% in `fresh2_b8_bf16_lockstep_avx512`, whose code
+  had no such gate), for 1.00x plain on chat. With goodput off (16 drafts a row) `lookahead`'s
+  tau was above suffix's on all three (1.68 / 2.10 / 2.84) at 0.32x / 0.43x / 0.61x plain's
+  tokens/s ([`fresh2_b8_bf16_fixed_lockstep_avx512`](#fresh2_b8_bf16_fixed_lockstep_avx512)):
+  matching suffix's tau at batch 8 on a CPU means verifying drafts that do not pay. Chat at batch 8
+  moves by up to ~0.09x between runs (`lookahead` 1.09x, 1.05x, 1.00x, 1.04x; `suffix` 1.05x,
+  1.01x, 0.93x, 0.97x in the four batch-8 runs on the 120 prompts); on the first 40 prompts, two
+  waves of eight measured over ~7 s a category, runs moved a method by up to 0.24x.
+- **Float32 on the AVX-512 host**: plain decodes chat at 197 tok/s at batch 8 against 291 in bf16,
+  and verifying 1 / 2 / 4 / 8 drafts per row costs 1.37x / 1.76x / 2.50x / 3.95x a plain step
+  ([`draft_cost_b8_f32_avx512`](#draft_cost_b8_f32_avx512)): serve bf16 there.
+- **AVX2 only (no AVX-512, no AMX)**: a bf16 step that verifies drafts is dear (a drafting step of
+  `suffix` cost ~+43 ms for 1.7 drafts on chat against a ~62 ms plain step), and at batch 1 no
+  method paid in bf16, `suffix` included. In float32 plain decodes nearly as fast as in bf16 there
+  and verifying 1 / 2 / 4 / 8 / 16 drafts costs 1.06x / 1.12x / 1.29x / 1.48x / 1.78x a plain step
+  ([`draft_cost_b1_f32_avx2`](#draft_cost_b1_f32_avx2)): every method paid at batch 1; at batch 8
+  chat paid for none, code and repetitive text for the model-free ones. Serve float32 on such a
+  host (the plugin warns at start-up when a bf16 target meets a CPU without AVX512-BF16 or AMX).
+- **Verification as dear as on AVX2, on the AVX-512 host** (oneDNN's and torch's kernels capped
+  at AVX2: `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`; vLLM's own CPU kernels keep
+  AVX-512): 1 / 2 / 4 / 8 drafts at batch 1 in bf16 cost 1.33x / 1.77x / 2.75x / 4.57x a plain
+  step, near the AVX2 host's price. There, at batch 1 on the first 12 fresh prompts of
+  each category ([`fresh12_b1_bf16_capped_avx2_lockstep_avx512`](#fresh12_b1_bf16_capped_avx2_lockstep_avx512)),
+  goodput drafts on few steps (`lookahead`: 324 chat drafts over 1218 steps, 72% of them accepted)
+  and `lookahead` and `mamba` ran 1.03x-1.09x plain, `suffix` 0.96x-1.04x, `bandit_tree` and
+  `cascade` 0.98x-1.01x on chat and code, inside the two plain engines' 5-6% spread.
+- **AMX**: no result committed yet. On a new host, run the benchmark with `--draft-cost
+  0,1,2,4,8` before choosing a method.
+
+What a step that drafts nothing costs: at batch 1 in bf16 (first chat prompts, drafts dropped so
+that every run decodes the same tokens; timed in process) `lookahead`'s proposal, goodput
+included, takes ~0.40 ms a step of a ~21 ms plain step (~0.68 ms of ~28 ms at batch 8), the runner
+hooks ~0.06 ms. Code between two forward passes runs several times slower than the same code
+timed alone (its code and data evicted by the pass: a 6x6 LAPACK solve took ~80 us there against
+~5 us alone), so the per-step bookkeeping avoids library calls on tiny arrays. In a step whose
+every request is greedy the plugin's methods read the verdict off the target's argmax; `suffix`
+and `ngram` go through vLLM's rejection sampler, ~1 ms
+a drafting step here (a bonus-token sampler pass, an fp32 copy of the target logits and torch's
+argmax over them). A set's tokens/s is set by its last request: at batch 8 `lookahead`'s
+requests finished sooner on average than plain's in every category (the mean latency in each
+run's table), but a token accepted for a request that finishes before the set's last one does
+not bring the set's end forward, and every drafting step costs the whole batch.
 
 ## On a GPU: what verification costs
 

@@ -91,13 +91,16 @@ tau, it is faster than plain. What the runs show, per kind of host:
   accepted against 35 / 44 / 52%: a lower tau than suffix's, more tokens/s. `bandit_tree` drafts
   one shape for every row of a step, and a row whose tree cannot pay for its nodes drafts nothing:
   36% of its chat drafts were accepted there (20% in `fresh2_b8_bf16_lockstep_avx512`, whose code
-  had no such gate), for 1.00x plain on chat. With goodput off (16 drafts a row) `lookahead`'s
+  had no such gate), for 1.00x plain on chat. The same command again
+  ([`_rowgate_repeat2`](#fresh2_b8_bf16_lockstep_avx512_rowgate_repeat2), the two plain engines
+  0.4 / 1.4 / 0.2% apart): every method of ours 1.03x-1.20x plain, `lookahead` 1.06x / 1.13x /
+  1.20x against `suffix`'s 1.03x / 1.11x / 1.18x. With goodput off (16 drafts a row) `lookahead`'s
   tau was above suffix's on all three (1.68 / 2.10 / 2.84) at 0.32x / 0.43x / 0.61x plain's
   tokens/s ([`fresh2_b8_bf16_fixed_lockstep_avx512`](#fresh2_b8_bf16_fixed_lockstep_avx512)):
   matching suffix's tau at batch 8 on a CPU means verifying drafts that do not pay. Chat at batch 8
-  moves by up to ~0.09x between runs (`lookahead` 1.09x, 1.05x, 1.00x, 1.04x; `suffix` 1.05x,
-  1.01x, 0.93x, 0.97x in the four batch-8 runs on the 120 prompts); on the first 40 prompts, two
-  waves of eight measured over ~7 s a category, runs moved a method by up to 0.24x.
+  moves by up to ~0.09x between runs (`lookahead` 1.09x, 1.05x, 1.00x, 1.04x, 1.06x; `suffix`
+  1.05x, 1.01x, 0.93x, 0.97x, 1.03x in the five batch-8 runs on the 120 prompts); on the first 40
+  prompts, two waves of eight measured over ~7 s a category, runs moved a method by up to 0.24x.
 - **Float32 on the AVX-512 host**: plain decodes chat at 197 tok/s at batch 8 against 291 in bf16,
   and verifying 1 / 2 / 4 / 8 drafts per row costs 1.37x / 1.76x / 2.50x / 3.95x a plain step
   ([`draft_cost_b8_f32_avx512`](#draft_cost_b8_f32_avx512)): serve bf16 there.

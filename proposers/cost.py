@@ -65,9 +65,10 @@ class StepCost:
         self.g, self.prior_tokens = discount, prior_tokens
         self.ridge = (0.0, *ridge)             # per feature (the constant's is 0)
         n = self.N_FEATURES
-        # Plain lists, not numpy: this runs between two forward passes, where a LAPACK call on a
-        # 6x6 system measured ~80 us in the engine (its code and data evicted by the pass), as
-        # long as all the rest of a step's goodput; the same solve in Python costs ~10 us.
+        # Plain lists, not numpy: this runs between two forward passes, where code and data the
+        # pass evicted make tiny library calls dear. In the engine numpy's LAPACK solve of this
+        # 6x6 system took 80-100 us a step (~5 us timed alone), `solve_spd` ~60 us; the rank-one
+        # update below half what numpy's took there.
         self.xtx = [[0.0] * n for _ in range(n)]
         self.xty = [0.0] * n
         self.n = 0

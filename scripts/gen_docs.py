@@ -118,7 +118,10 @@ tau, it is faster than plain. What the runs show, per kind of host:
   each category ([`fresh12_b1_bf16_capped_avx2_lockstep_avx512`](#fresh12_b1_bf16_capped_avx2_lockstep_avx512)),
   goodput drafts on few steps (`lookahead`: 324 chat drafts over 1218 steps, 72% of them accepted)
   and `lookahead` and `mamba` ran 1.03x-1.09x plain, `suffix` 0.96x-1.04x, `bandit_tree` and
-  `cascade` 0.98x-1.01x on chat and code, inside the two plain engines' 5-6% spread.
+  `cascade` 0.98x-1.01x on chat and code, inside the two plain engines' 5-6% spread. The same
+  command again ([`_repeat2`](#fresh12_b1_bf16_capped_avx2_lockstep_avx512_repeat2), 4.1-6.4%
+  apart): `lookahead` 1.05x / 1.04x / 1.09x, `suffix` 0.97x / 0.97x / 1.03x, every other method
+  of ours 0.99x-1.09x.
 - **AMX**: no result committed yet. On a new host, run the benchmark with `--draft-cost
   0,1,2,4,8` before choosing a method.
 

@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -1047,4 +1048,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    # `kill` (SIGTERM) unwinds as Ctrl-C does: the engines up and the one starting are closed
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     main()

@@ -299,3 +299,32 @@ def test_results_written_by_an_earlier_run_are_not_code_changes():
     changed = ["docs/results/b1.json", "docs/results/b1.png", "docs/benchmarks.md", "proposers/goodput.py"]
     assert bench.code_changes(changed) == ["proposers/goodput.py"]
     assert bench.code_changes(changed[:3]) == []
+
+
+def test_an_engine_interrupted_while_starting_is_stopped(monkeypatch):
+    """`kill` of bench.py (SIGTERM -> SystemExit) while an engine process starts: that process is
+    stopped, not left to finish a start-up nobody will read."""
+    import signal
+    import subprocess
+
+    from vllm_spec_plugins.tools import runner
+    procs = []
+
+    class Popen(subprocess.Popen):           # an engine whose start-up never ends
+        def __init__(self, cmd, **kw):
+            super().__init__([sys.executable, "-c", "import time; time.sleep(120)"], **kw)
+            procs.append(self)
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    monkeypatch.setattr(runner.subprocess, "Popen", Popen)
+    old = signal.signal(signal.SIGALRM, stop)
+    try:
+        signal.alarm(1)
+        with pytest.raises(SystemExit):
+            runner.EngineProcess({"model": "unused"})
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert len(procs) == 1 and procs[0].poll() is not None

@@ -305,7 +305,11 @@ class EngineProcess:
         self.p = subprocess.Popen([sys.executable, "-m", "vllm_spec_plugins.tools.runner", "--serve"],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
                                   text=True, env=_child_env(env))
-        self._call(job)
+        try:
+            self._call(job)
+        except BaseException:               # interrupted mid start-up: nothing will ever read it
+            self.kill()
+            raise
 
     def _call(self, msg: dict) -> dict:
         try:
@@ -337,6 +341,17 @@ class EngineProcess:
         out = self._call({"finish": True})
         self.close()
         return out
+
+    def kill(self) -> None:
+        """Stop the process now (SIGTERM: vLLM takes its own engine process down), SIGKILL if it
+        lingers."""
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
 
     def close(self) -> None:
         if self.p.poll() is None:

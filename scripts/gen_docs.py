@@ -125,7 +125,13 @@ tau, it is faster than plain. What the runs show, per kind of host:
   `cascade` 0.98x-1.01x on chat and code, inside the two plain engines' 5-6% spread. The same
   command again ([`_repeat2`](#fresh12_b1_bf16_capped_avx2_lockstep_avx512_repeat2), 4.1-6.4%
   apart): `lookahead` 1.05x / 1.04x / 1.09x, `suffix` 0.97x / 0.97x / 1.03x, every other method
-  of ours 0.99x-1.09x.
+  of ours 0.99x-1.09x. At batch 8 with the same cap, on the first 24 fresh prompts of each
+  category ([`fresh24_b8_bf16_capped_avx2_lockstep_avx512`](#fresh24_b8_bf16_capped_avx2_lockstep_avx512),
+  plain engines 1.9 / 0.5 / 0.1% apart), a verified draft costs ~8-10 ms against a 105-180 ms step
+  of eight rows, so only drafts accepted ~80% of the time pay: goodput drafted on next to no steps
+  (`lookahead`: 26 chat drafts in 384 steps) and every method of ours ran 0.97x-1.00x plain,
+  `suffix` 0.72x-0.85x, `ngram` 0.50x-0.52x. What is left is the cost of steps that draft nothing
+  (`lookahead`: 106.9 ms a chat step against plain's 104.9).
 - **AMX**: no result committed yet. On a new host, run the benchmark with `--draft-cost
   0,1,2,4,8` before choosing a method.
 

@@ -343,21 +343,19 @@ class EngineProcess:
         return out
 
     def kill(self) -> None:
-        """Stop the process now (SIGTERM: vLLM takes its own engine process down), SIGKILL if it
-        lingers."""
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(30)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
+        """Stop the process now (SIGTERM: vLLM takes its own engine process down)."""
+        self._end(self.p.terminate, 30)
 
     def close(self) -> None:
+        """Let the process finish (its stdin closed, it exits)."""
+        self._end(self.p.stdin.close, 60)
+
+    def _end(self, ask, seconds: float) -> None:
+        """`ask` a running process to end; SIGKILL if it has not within `seconds`."""
         if self.p.poll() is None:
-            self.p.stdin.close()
+            ask()
             try:
-                self.p.wait(60)
+                self.p.wait(seconds)
             except subprocess.TimeoutExpired:
                 self.p.kill()
                 self.p.wait()

@@ -85,9 +85,9 @@ tau, it is faster than plain. What the runs show, per kind of host:
   ([`fresh2_b1_bf16_lockstep_avx512_rowgate`](#fresh2_b1_bf16_lockstep_avx512_rowgate)) `lookahead`
   ran 1.56x / 1.96x / 2.15x plain on chat, code and repetitive text against `suffix`'s 1.40x /
   1.78x / 1.97x, its tau above suffix's on all three (1.64 / 2.11 / 2.72 against 1.52 / 2.03 /
-  2.45), and every method 1.00x plain or more (vLLM's `ngram` 1.00x on chat). In the run before
-  ([`fresh2_b1_bf16_lockstep_avx512`](#fresh2_b1_bf16_lockstep_avx512), before `bandit_tree`'s row
-  gate) `lookahead`'s tau on code was 2.00 against suffix's 2.03.
+  2.45), and every method 1.00x plain or more (vLLM's `ngram` 1.00x on chat). At 1e5f932, without
+  `bandit_tree`'s row gate ([`fresh2_b1_bf16_lockstep_avx512`](#fresh2_b1_bf16_lockstep_avx512)),
+  `lookahead`'s tau on code was 2.00 against suffix's 2.03.
 - **The same, batch 8**: every row's drafts add up (1.24x / 1.54x / 2.08x / 3.23x), and only
   well-accepted drafts pay. Goodput keeps fewer, better ones: in
   [`fresh2_b8_bf16_lockstep_avx512_rowgate`](#fresh2_b8_bf16_lockstep_avx512_rowgate) `lookahead`

@@ -24,31 +24,32 @@ is p > ~4% at batch 1 and ~40% at batch 8 (bf16); on a GPU it keeps everything u
 curve bends. p falls along a chain, so what is kept is a prefix of each chain.
 
 A proposer that costs next to nothing (a pool, a lookup: under 2% of a step) runs every step and
-the cut decides. One that costs real time (a draft model) runs only while it pays: per batch-size
-bucket its own seconds per row, the accepted tokens the cut expected per request (scaled by the
-ratio of accepted to expected tokens measured so far) and the drafts kept are tracked, and the
-predicted rate with drafts (R_on, with its own time and the jump) is compared with the rate
-without (R_off). It is switched off by measurements, not by a prior, and learning costs a
-cold batch a few rows, not all: the first step drafts for the one row whose chain it keeps (no
-step measured yet), a step that verifies no drafts drafts none, and until its steady seconds per
-row and its gain are measured the proposer drafts as a probe does (`probe_rows` rows, two
-steps). R_on is taken with the gain one standard error above its mean over the drafting steps
-measured (optimism that fades as they add up), so a drafter that pays is never switched off by
-the few noisy steps of a cold server, and one that loses where verification is dear is off
-after a handful. R_off is priced from plain steps: on a cold fit one step in ~4 verifies no
-drafts until two are measured (`StepCost.needs_plain`), and the expected gain's calibration is
-shrunk towards 1 (a cold request's first rejections are luck, not a rate). Its own seconds are
-priced from steady steps only: not its first call (cold: allocations, first kernel runs), not a
-step where a row catches up on tokens it skipped while off (a one-off of drafting again, priced
-with the probe). While off, `probe_rows` requests (in turn) draft again once the probe's cost
-(with its catch-ups, and its scans of prompts the proposer had not seen: a drafter that stays
-off never makes them) has fallen to ~1% of the time since the last one, two steps in a row: the
-first pays the catch-up, the second measures the steady cost. The wrapped proposer sees every
-step (with a budget of 0 while off) and catches up on what it skipped when it drafts again.
-A proposer with a cheap part of its own (`propose_fallback`: a cascade's model-free level, n-gram
-lookup beside a Mamba drafter) has that part draft alone while off, cut as a cheap proposer's
-drafts are; R_off is then the rate of those steps (their gain, kept drafts and jumps, measured
-as R_on's are).
+the cut decides; it is asked for no deeper a chain than the cut could keep with this step's rates
+and prices, and for none where no draft can pay (`_reachable`: a verified token as dear as a row's
+step), so such a step costs about what a plain one does. One that costs real time (a draft model)
+runs only while it pays: per batch-size bucket its own seconds per row, the accepted tokens the cut
+expected per request (scaled by the ratio of accepted to expected tokens measured so far) and the
+drafts kept are tracked, and the predicted rate with drafts (R_on, with its own time and the jump)
+is compared with the rate without (R_off). It is switched off by measurements, not by a prior, and
+learning costs a cold batch a few rows, not all: the first step drafts for the one row whose chain
+it keeps (no step measured yet), a step that verifies no drafts drafts none, and until its steady
+seconds per row and its gain are measured the proposer drafts as a probe does (`probe_rows` rows,
+two steps). R_on is taken with the gain one standard error above its mean over the drafting steps
+measured (optimism that fades as they add up), so a drafter that pays is never switched off by the
+few noisy steps of a cold server, and one that loses where verification is dear is off after a
+handful. R_off is priced from plain steps: on a cold fit one step in ~4 verifies no drafts until
+two are measured (`StepCost.needs_plain`), and the expected gain's calibration is shrunk towards 1
+(a cold request's first rejections are luck, not a rate). Its own seconds are priced from steady
+steps only: not its first call (cold: allocations, first kernel runs), not a step where a row
+catches up on tokens it skipped while off (a one-off of drafting again, priced with the probe).
+While off, `probe_rows` requests (in turn) draft again once the probe's cost (with its catch-ups,
+and its scans of prompts the proposer had not seen: a drafter that stays off never makes them) has
+fallen to ~1% of the time since the last one, two steps in a row: the first pays the catch-up, the
+second measures the steady cost. The wrapped proposer sees every step (with a budget of 0 while
+off) and catches up on what it skipped when it drafts again. A proposer with a cheap part of its
+own (`propose_fallback`: a cascade's model-free level, n-gram lookup beside a Mamba drafter) has
+that part draft alone while off, cut as a cheap proposer's drafts are; R_off is then the rate of
+those steps (their gain, kept drafts and jumps, measured as R_on's are).
 
 Every `explore_every`-th step that drafts anyway, one request (in turn) gets one token past its
 cut, so classes below the current threshold keep being measured.
@@ -174,6 +175,7 @@ class Goodput(Proposer):
         self.history: deque = deque(maxlen=20000)
         self._threshold, self._last_gain, self._forced, self._blind = 0.0, 0.0, False, False
         self._reach: list[float] = []            # last cut's mean chance of acceptance per depth
+        self._row_rates: dict[str, list[float]] = {}   # req id -> its rates per class this step
         self._pending: float | None = None       # accepted tokens the last drafting step's cut expected
         self._live: set = set()                  # request ids that decoded last step
         self._drafting: set = set()              # those the wrapped proposer drafted for
@@ -298,13 +300,13 @@ class Goodput(Proposer):
         is accepted (`reach`, measured where drafted) pays for one more drafter step and its
         verification at the step's rate, p_j > (b + drafter seconds per token) * R. One depth
         more every `explore_every`-th drafting step keeps the next depth measured. A proposer
-        that costs next to nothing drafts `budget` (the cut decides)."""
+        that costs next to nothing drafts up to the deepest token the cut could keep (`_reachable`)."""
         fit = self.cost.fit(n, self.context)
         if fit is None or bucket["on_row_s"] is None or bucket["gain"] is None or not bucket["depth"]:
             return budget
         costly = self._costly(bucket, n, fit)
         if costly is None:
-            return budget
+            return self._reachable(fit, n, budget)
         price = (fit[1] + bucket["on_row_s"] / bucket["depth"]) * costly[1]
         d = 1
         while d < budget and bucket["reach"][d] is not None and bucket["reach"][d] > price:
@@ -312,6 +314,35 @@ class Goodput(Proposer):
         if d < budget and (bucket["reach"][d] is None or self.steps % self.explore_every == 0):
             d += 1
         return d
+
+    def _reachable(self, fit, n: int, budget: int) -> int:
+        """Chain length past which `_allocate` keeps nothing, whatever the tokens (0: nothing at
+        all), from this step's rates: a token at depth j of a row has p <= top ** (j + 1), top
+        that row's best rate of any class. The cut's price b * R only rises as tokens are kept,
+        so it is at least b * n / (a + b * n + jump): no token below it is kept. And drafting at
+        all pays only if the kept tokens' p * (a + b * n) - b * n add up past n * jump: where a
+        verified token costs what a row's step does (kernels capped at AVX2, batch 8, here) no
+        token can, and the proposer is not asked to draft: a step that drafts nothing costs next
+        to what a plain one does. Where verification is cheap: the whole budget. One token more
+        than the deepest that could be kept, for the explore token past a cut. Decisions equal
+        the full chains'."""
+        if fit is None or not self._row_rates:
+            return budget
+        a, b, jump = fit
+        plain, step = a + b * n, a + b * n + jump
+        if b <= 0 or plain <= 0:
+            return budget
+        price, deepest, net = b * n / step, 0, 0.0
+        for rates in self._row_rates.values():
+            top = max(rates)
+            d, p = 0, top
+            while d < budget and p > price:
+                net += max(p * plain - b * n, 0.0)
+                d, p = d + 1, p * top
+            deepest = max(deepest, d)
+        if net <= n * jump or not deepest:
+            return 0
+        return min(deepest + 1, budget)
 
     @staticmethod
     def _ema(old, new, w=0.1, n: int | None = None):
@@ -368,7 +399,16 @@ class Goodput(Proposer):
         # off: the proposer's cheap part alone drafts, where it has one (`propose_fallback`)
         fallback = mode == "off" and bool(budget and n) and self.inner.propose_fallback is not None
         drafts = mode not in ("off", "plain") or fallback    # "plain": nothing verified, nothing drafted
-        depth = budget if fallback else self._depth(bucket, n, budget) if drafts else 0
+        # each live row's rates this step (`rates`: its counts shrunk towards the global rate)
+        glob = self.accept.global_rate()
+        self._row_rates = {ctx.requests[i].req_id: self.accept.rates(ctx.requests[i].req_id, glob).tolist()
+                           for i in rows if ctx.requests[i].sampled} if drafts else {}
+        if not drafts:
+            depth = 0
+        elif fallback:
+            depth = self._reachable(self.cost.fit(n, self.context), n, budget)
+        else:
+            depth = self._depth(bucket, n, budget)
         if self.sync is not None:
             depth = self.sync(depth)
         ran = {r.req_id for r in sub.requests if r.sampled} if depth and not fallback else set()
@@ -432,13 +472,14 @@ class Goodput(Proposer):
                 # slow averages: one step's gain is noisy (a confident stretch, then none), and
                 # on/off must follow the mean, not the last few steps; a probe counts double
                 w = 0.1 if mode == "probe" else 0.05
-                if self._warm and not resumed and m:     # steady seconds only (see the module doc)
+                if self._warm and not resumed and m and ran:     # steady seconds only (see the module doc)
                     row_s = draft_s / m if bucket["on_row_s"] is None else min(draft_s / m, 4 * bucket["on_row_s"])
                     bucket["on_row_s"] = self._ema(bucket["on_row_s"], row_s, w)   # (one stall: bounded)
                 if not self._warm and ran and m:          # the cold call: a first probe is priced like it
                     self._cold_row_s = (draft_s + once) / m
                 self._warm = self._warm or bool(ran)
-                bucket["depth"] = self._ema(bucket["depth"], max((len(d) for d in drafted), default=0), w)
+                if ran:                                   # (`_reachable` may ask for nothing)
+                    bucket["depth"] = self._ema(bucket["depth"], max((len(d) for d in drafted), default=0), w)
                 bucket["off_steps"] = 0
                 if not self._blind and m:                # the blind first step: no gain to learn
                     bucket["n"] += 1
@@ -474,7 +515,6 @@ class Goodput(Proposer):
         if self.cost.needs_plain():
             self._forced = True    # a step without drafts now and then: keeps the jump measured
             return keep
-        glob = self.accept.global_rate()
         # every cuttable token as (-p, depth, row), p its chance of acceptance (the product of its
         # own and its ancestors' rates); plain lists: a step has tens of tokens, not thousands
         items: list[tuple[float, int, int]] = []
@@ -482,7 +522,8 @@ class Goodput(Proposer):
         for i, (req, d, c) in enumerate(zip(ctx.requests, drafts, classes)):
             if not _cuttable(req, d):
                 continue
-            rate, p = self.accept.rates(req.req_id, glob).tolist(), 1.0
+            rate = self._row_rates.get(req.req_id) or self.accept.rates(req.req_id, self.accept.global_rate()).tolist()
+            p = 1.0
             for j, cl in enumerate(c[:len(d)]):
                 p *= rate[cl]
                 items.append((-p, j, i))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vllm_spec_plugins.proposers.base import Proposer, RequestStep, StepContext
-from vllm_spec_plugins.proposers.goodput import AcceptModel, Goodput, StepCost
+from vllm_spec_plugins.proposers.goodput import AcceptModel, Goodput, StepCost, generic_classes
 from vllm_spec_plugins.proposers.lookahead import LookaheadConfig, LookaheadProposer
 from vllm_spec_plugins.proposers.testing import AdversarialProposer, OracleProposer, ToyEngine, greedy
 
@@ -444,6 +444,47 @@ def test_a_costly_drafter_drafts_only_the_depths_that_pay():
     st, late = prop.goodput_stats, inner.asked[len(inner.asked) // 2:]
     assert st["drafting_steps"] > 0.9 * st["steps"], st
     assert 2.0 <= np.mean(late) <= 2.6 and max(late) <= 3, (np.mean(late), prop.goodput_state())
+
+
+class Flaky(OracleProposer):
+    """The reference chain with the token at every `every`-th position of the text wrong (by
+    position: a shorter chain is a prefix of a longer one), so no class is always accepted."""
+    class_prior = np.full(4, 0.7)
+
+    def __init__(self, k, refs, every=3):
+        super().__init__(k, refs)
+        self.every, self.asked = every, []
+
+    def propose(self, ctx):
+        self.asked.append(ctx.budget(self.k))
+        return super().propose(ctx)
+
+    def propose_one(self, st, req, k):
+        L = len(req.token_ids)
+        d = [(x + 1) % V if (L + j) % self.every == 0 else x for j, x in enumerate(super().propose_one(st, req, k))]
+        self._classes = generic_classes(len(d))
+        return d
+
+
+def test_a_cheap_proposer_is_asked_no_deeper_than_the_cut_can_keep(monkeypatch):
+    """A proposer that costs nothing drafts chains of 16 whose tokens are right ~2 times in 3.
+    Where a verified token costs about what a row's step does (a step of 1 + 1 per token at batch
+    8), no draft can pay and, once its cost is measured, goodput does not ask for any. Where it
+    is dear (a step of 10 + 1 per token), no token deeper than the rows' rates allow can pay, and
+    it asks for no more (plus the explore token): a quarter fewer tokens drafted here. Where it
+    is cheap, nearly the whole chain. Each time what is kept, step by step, is what full chains
+    of 16 keep: only work the cut would throw away is saved."""
+    for fixed, per_token, saved in ((1.0, 1.0, 0.99), (10.0, 1.0, 0.2), (50.0, 0.1, 0.0)):
+        prop, _ = run(lambda refs, _: Flaky(16, refs), 8, 120, fixed=fixed, per_token=per_token)
+        with monkeypatch.context() as m:
+            m.setattr(Goodput, "_reachable", lambda self, fit, n, budget: budget)
+            full, _ = run(lambda refs, _: Flaky(16, refs), 8, 120, fixed=fixed, per_token=per_token)
+        assert [h[3] for h in prop.history] == [h[3] for h in full.history]
+        assert prop.goodput_stats["kept"] == full.goodput_stats["kept"] >= (16 if saved > 0.5 else 100)
+        assert prop.goodput_stats["drafted"] <= (1 - saved) * full.goodput_stats["drafted"], prop.goodput_stats
+        assert min(prop.inner.asked[1:]) < 16 and max(full.inner.asked[1:]) == 16
+        if saved > 0.5:                     # past the blind step and the two that measure its cost
+            assert not any(prop.inner.asked[4:]), prop.inner.asked[:8]
 
 
 def test_lookahead_under_goodput_is_exact_and_frees_state():

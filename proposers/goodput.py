@@ -300,13 +300,13 @@ class Goodput(Proposer):
         is accepted (`reach`, measured where drafted) pays for one more drafter step and its
         verification at the step's rate, p_j > (b + drafter seconds per token) * R. One depth
         more every `explore_every`-th drafting step keeps the next depth measured. A proposer
-        that costs next to nothing drafts up to the deepest token the cut could keep (`_reachable`)."""
+        that costs next to nothing drafts `budget` (the cut decides; `_reachable` bounds both)."""
         fit = self.cost.fit(n, self.context)
         if fit is None or bucket["on_row_s"] is None or bucket["gain"] is None or not bucket["depth"]:
             return budget
         costly = self._costly(bucket, n, fit)
         if costly is None:
-            return self._reachable(fit, n, budget)
+            return budget
         price = (fit[1] + bucket["on_row_s"] / bucket["depth"]) * costly[1]
         d = 1
         while d < budget and bucket["reach"][d] is not None and bucket["reach"][d] > price:
@@ -405,10 +405,9 @@ class Goodput(Proposer):
                            for i in rows if ctx.requests[i].sampled} if drafts else {}
         if not drafts:
             depth = 0
-        elif fallback:
-            depth = self._reachable(self.cost.fit(n, self.context), n, budget)
-        else:
-            depth = self._depth(bucket, n, budget)
+        else:       # no deeper than the cut could keep: nothing where nothing can pay (a probe too)
+            depth = self._reachable(self.cost.fit(n, self.context), n, budget if fallback else
+                                    self._depth(bucket, n, budget))
         if self.sync is not None:
             depth = self.sync(depth)
         ran = {r.req_id for r in sub.requests if r.sampled} if depth and not fallback else set()

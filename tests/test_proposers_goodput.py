@@ -370,25 +370,29 @@ def test_a_cold_server_learns_a_costly_drafter_on_a_few_rows():
     """At batch 8, what a cold server pays to learn a drafter (one that does not pay, at 1.25 s a
     row, a step being ~18 s): the blind first step drafts for the one row whose chain it keeps,
     a step that verifies nothing (`needs_plain`) runs no drafter, and until its cost and gain are
-    measured it drafts for `probe_rows` rows, not the batch. Then it is off."""
-    rows: list[int] = []             # rows the drafter drafted for, per step
+    measured it drafts for `probe_rows` rows, not the batch. Then it is off. A drafter whose
+    rates cannot pay at that price (its prior 0.3 below the cut's lowest price, ~0.44) is not run
+    at all after the blind step: a probe that can keep nothing measures nothing."""
+    for prior, learns in ((0.7, True), (None, False)):
+        rows: list[int] = []             # rows the drafter drafted for, per step
 
-    def per_row(refs, clock):
-        inner = Costly(refs, clock, 0.0)
-        propose = inner.propose
+        def per_row(refs, clock):
+            inner = Costly(refs, clock, 0.0)
+            inner.class_prior = None if prior is None else np.full(4, prior)
+            propose = inner.propose
 
-        def timed(ctx):
-            drafting = [r for r in ctx.requests if r.sampled] if ctx.budget(inner.k) else []
-            rows.append(len(drafting))
-            clock.t += 1.25 * len(drafting)
-            return propose(ctx)
-        inner.propose = timed
-        return inner
-    prop, _ = run(per_row, 8, 40, fixed=10.0, per_token=1.0)
-    assert rows[:2] == [1, 0], rows[:8]
-    learn = rows[2:rows.index(0, 2)]
-    assert 1 <= len(learn) <= 2 and max(learn) <= prop.probe_rows, rows[:8]
-    assert sum(rows[:30]) == 1 + sum(learn), rows[:30]      # then off: no probe this soon
+            def timed(ctx):
+                drafting = [r for r in ctx.requests if r.sampled] if ctx.budget(inner.k) else []
+                rows.append(len(drafting))
+                clock.t += 1.25 * len(drafting)
+                return propose(ctx)
+            inner.propose = timed
+            return inner
+        prop, _ = run(per_row, 8, 40, fixed=10.0, per_token=1.0)
+        assert rows[:2] == [1, 0], rows[:8]
+        learn = rows[2:rows.index(0, 2)]
+        assert (1 <= len(learn) <= 2) == learns and max(learn, default=0) <= prop.probe_rows, rows[:8]
+        assert sum(rows[:30]) == 1 + sum(learn), rows[:30]      # then off: no probe this soon
 
 
 class CostlyPerToken(Proposer):

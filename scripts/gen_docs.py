@@ -126,19 +126,34 @@ tau, it is faster than plain. What the runs show, per kind of host:
   command again ([`_repeat2`](#fresh12_b1_bf16_capped_avx2_lockstep_avx512_repeat2), 4.1-6.4%
   apart): `lookahead` 1.05x / 1.04x / 1.09x, `suffix` 0.97x / 0.97x / 1.03x, every other method
   of ours 0.99x-1.09x. At batch 8 with the same cap, on the first 24 fresh prompts of each
-  category ([`fresh24_b8_bf16_capped_avx2_lockstep_avx512`](#fresh24_b8_bf16_capped_avx2_lockstep_avx512),
-  plain engines 1.9 / 0.5 / 0.1% apart), a verified draft costs ~8-10 ms against a 105-180 ms step
-  of eight rows, so only drafts accepted ~80% of the time pay: goodput drafted on next to no steps
-  (`lookahead`: 26 chat drafts in 384 steps) and every method of ours ran 0.97x-1.00x plain,
-  `suffix` 0.72x-0.85x, `ngram` 0.50x-0.52x. What is left is the cost of steps that draft nothing
-  (`lookahead`: 106.9 ms a chat step against plain's 104.9).
+  category, a verified draft costs ~8-10 ms against a 100-200 ms step of eight rows, so only
+  drafts accepted ~85% of the time pay, and whether any does moves with the cost fit from run
+  to run. At 48da5bc ([`fresh24_b8_bf16_capped_avx2_lockstep_avx512`](#fresh24_b8_bf16_capped_avx2_lockstep_avx512),
+  plain engines 1.9 / 0.5 / 0.1% apart) goodput kept next to nothing (`lookahead`: 26 of the
+  46976 chat tokens it drafted) and every method of ours ran 0.97x-1.00x plain, `suffix`
+  0.72x-0.85x, `ngram` 0.50x-0.52x. From 4bc1cdc on, goodput asks a proposer for no deeper a
+  chain than its cut could keep at the step's rates and prices, and for none where no draft can
+  pay (the cut's decisions unchanged, its discarded work not done). At 4bc1cdc, twice
+  ([`_reachable`](#fresh24_b8_bf16_capped_avx2_lockstep_avx512_reachable), plain engines 3.2 /
+  0.5 / 0.4% apart; [`_repeat2`](#fresh24_b8_bf16_capped_avx2_lockstep_avx512_reachable_repeat2),
+  0.5 / 0.2 / 3.8%): every method of ours ran 1.00x-1.01x and 0.97x-0.98x plain on chat,
+  0.96x-0.99x and 0.97x-0.99x on code, 0.98x-1.00x and 0.97x-1.02x on repetitive text;
+  `suffix` 0.73x-0.85x. The cost fit there differed between runs (`lookahead`'s chat fit: a
+  step's fixed part 0 and a 14 ms jump for verifying drafts in one, 10.6 ms and no jump in the
+  next), and so did what was kept (26 and 477 chat tokens). Methods that drafted next to nothing
+  (`mamba`: 21 code drafts) moved by 3% between categories and runs like the others: at this
+  price every method of ours runs within ~3% of plain, below it more often than above, and what
+  is left is the plugin's work on every step (~0.9 ms a step, in process, below) and the
+  engine's spec-decode bookkeeping.
 - **AMX**: no result committed yet. On a new host, run the benchmark with `--draft-cost
   0,1,2,4,8` before choosing a method.
 
 What a step that drafts nothing costs: at batch 1 in bf16 (first chat prompts, drafts dropped so
 that every run decodes the same tokens; timed in process) `lookahead`'s proposal, goodput
 included, takes ~0.40 ms a step of a ~21 ms plain step (~0.68 ms of ~28 ms at batch 8), the runner
-hooks ~0.06 ms. Code between two forward passes runs several times slower than the same code
+hooks ~0.06 ms; at batch 8 with kernels capped at AVX2 (chat, drafts kept where they pay)
+~0.89 ms a step of ~90-100 ms (median), vLLM's own spec-decode metadata ~0.1 ms more.
+Code between two forward passes runs several times slower than the same code
 timed alone (its code and data evicted by the pass: a 6x6 LAPACK solve took ~80 us there against
 ~5 us alone), so the per-step bookkeeping avoids library calls on tiny arrays. In a step whose
 every request is greedy the plugin's methods read the verdict off the target's argmax; `suffix`

@@ -399,13 +399,14 @@ class Goodput(Proposer):
         # off: the proposer's cheap part alone drafts, where it has one (`propose_fallback`)
         fallback = mode == "off" and bool(budget and n) and self.inner.propose_fallback is not None
         drafts = mode not in ("off", "plain") or fallback    # "plain": nothing verified, nothing drafted
-        # each live row's rates this step (`rates`: its counts shrunk towards the global rate)
-        glob = self.accept.global_rate()
-        self._row_rates = {ctx.requests[i].req_id: self.accept.rates(ctx.requests[i].req_id, glob).tolist()
-                           for i in rows if ctx.requests[i].sampled} if drafts else {}
+        self._row_rates = {}
         if not drafts:
             depth = 0
         else:       # no deeper than the cut could keep: nothing where nothing can pay (a probe too)
+            # each drafting row's rates this step (`rates`: its counts shrunk towards the global rate)
+            glob = self.accept.global_rate()
+            self._row_rates = {ctx.requests[i].req_id: self.accept.rates(ctx.requests[i].req_id, glob).tolist()
+                               for i in rows if ctx.requests[i].sampled}
             depth = self._reachable(self.cost.fit(n, self.context), n, budget if fallback else
                                     self._depth(bucket, n, budget))
         if self.sync is not None:

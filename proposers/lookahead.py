@@ -12,7 +12,7 @@ argmax at every verified position, which is one Jacobi iteration of whatever we 
   link. Chaining such links along the diagonal of the last N-1 iterations (the paper's 2-D
   window) gives n-grams, which go into a bounded per-request pool together with the n-grams of
   the text itself.
-* Proposing: prompt lookup (the longest match of 2..8 tokens of context), else the pool keyed on the last token,
+* Proposing: prompt lookup (>= 2 tokens of context), else the pool keyed on the last token,
   else 1-token prompt lookup, repeated to extend the chain up to k tokens; positions the chain
   does not cover carry the Jacobi window's current guesses, so the window keeps iterating.
 
@@ -203,13 +203,8 @@ class LookaheadConfig(MethodConfig):
     guesses: int = key(7, 1, 64, "G: max n-gram candidates kept per key token")
     pool_cap: int = key(4096, 16, 1 << 20, "max n-grams per request (LRU eviction)")
     shared_pool: int = key(65536, 0, 1 << 22, SHARED_POOL_HELP)
-    prompt_lookup_min: int = key(1, 1, 16, "prompt lookup: min match length")
-    # The longest context matched first: of a short match's occurrences only the latest is
-    # indexed, a long one picks the occurrence that continues as this text does (suffix
-    # decoding's longest match). Replayed over the held-out split against 3: batch 8 ran 1-4%
-    # faster (AVX-512 bf16 cost model); batch 1, and verification priced as on AVX2, within 1%
-    # (mostly faster). The index grows ~2x: its cap is pool_cap entries per match length.
-    prompt_lookup_max: int = key(8, 1, 16, "prompt lookup: max match length (longest first)")
+    prompt_lookup_min: int = key(1, 1, 16, "prompt-lookup fallback: min match length")
+    prompt_lookup_max: int = key(3, 1, 16, "prompt-lookup fallback: max match length")
     tree: bool = key(False, help="full form: verify pool candidates + Jacobi window as one tree")
     tree_nodes: int = key(0, 0, 64, "tree node budget (0 = num_speculative_tokens)")
     goodput: bool = key(True, help=GOODPUT_HELP)

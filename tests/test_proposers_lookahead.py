@@ -679,8 +679,7 @@ def test_tree_tau_lcg_no_big_loss_and_pool_cap():
     assert tree_tau >= 0.9 * chain_tau and tree_tau > 2.0, (chain_tau, tree_tau)
     V, cap = 997, 128
     f = lambda t: (3 * t[-1] + 7 * t[-2] + 11) % V
-    p = LookaheadProposer(LookaheadConfig(8, ngram=4, guesses=4, pool_cap=cap, shared_pool=0, tree=True,
-                                           prompt_lookup_max=3), vocab_size=V)
+    p = LookaheadProposer(LookaheadConfig(8, ngram=4, guesses=4, pool_cap=cap, shared_pool=0, tree=True), vocab_size=V)
     eng = TreeToyEngine(p, f, vocab_size=V)
     eng.add("r", [1, 2, 3], 1500)
     sizes, nbytes = [], []

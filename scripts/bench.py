@@ -454,8 +454,15 @@ def cpu_info(lscpu: str | None = None, cpuinfo: str | None = None) -> dict:
         proc = parse_lscpu(cpuinfo)
         info.setdefault("Model name", proc.get("model name") or proc.get("Processor") or proc.get("cpu model"))
         info.setdefault("Flags", proc.get("flags") or proc.get("Features"))
+        info.setdefault("CPU family", proc.get("cpu family"))
+        info.setdefault("Model", proc.get("model"))
+        info.setdefault("Stepping", proc.get("stepping"))
     flags = info.get("Flags") or ""
+    # A model name alone ("AMD EPYC" in a VM) can stand for CPU generations that decode 1.5x apart
+    # here: family / model / stepping tell them apart.
+    fms = [info.get(k) for k in ("CPU family", "Model", "Stepping")]
     return {"cpu_model": info.get("Model name") or platform.processor() or None,
+            "cpu_family_model_stepping": "/".join(fms) if all(fms) else None,
             "cpu_flags": flags or None,
             "isa": isa_summary(flags),
             "isa_flags": [f for f in ISA_FLAGS if f in set(flags.split())],

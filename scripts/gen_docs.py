@@ -353,7 +353,9 @@ def host_of(out: dict) -> str:
     flags = _first(m, "cpu_flags", "flags") or _first(cpu, "flags")
     cores = _first(m, "cpus", "cpu_count") or _first(cpu, "count", "cores")
     gpu = _first(m, "gpu", "accelerator")
-    parts = [f"CPU {model}" if model else f"CPU model {NOT_RECORDED}",
+    fms = m.get("cpu_family_model_stepping")
+    parts = [(f"CPU {model}" + (f" (family/model/stepping {fms})" if fms else "")) if model
+             else f"CPU model {NOT_RECORDED}",
              f"{cores} CPUs" if cores else None,
              f"flags: {_flags(flags)}" if flags else f"CPU flags {NOT_RECORDED}",
              _isa_cap(m),

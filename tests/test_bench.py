@@ -113,6 +113,9 @@ NUMA:
 LSCPU_AVX2 = """Architecture:            x86_64
 Vendor ID:               AuthenticAMD
   Model name:            AMD EPYC 7B13
+    CPU family:          25
+    Model:               1
+    Stepping:            1
     Flags:               fpu sse2 avx fma avx2 sha_ni
 """
 
@@ -124,12 +127,15 @@ def test_cpu_info_from_lscpu(text, isa, model):
     assert info["cpu_model"] == model and info["isa"] == isa
     assert info["cpu_flags"].split()[0] == "fpu" and "avx2" in info["isa_flags"]
     assert ("amx_tile" in info["isa_flags"]) == (isa == "amx")
+    assert info["cpu_family_model_stepping"] == ("25/1/1" if isa == "avx2" else None)
 
 
 def test_cpu_info_falls_back_to_proc_cpuinfo():
-    cpuinfo = "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx512f avx2\n\nprocessor\t: 1\n"
+    cpuinfo = ("processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: Some CPU\nstepping\t: 1\n"
+               "flags\t\t: fpu avx512f avx2\n\nprocessor\t: 1\n")
     info = bench.cpu_info(lscpu="", cpuinfo=cpuinfo)
     assert info["cpu_model"] == "Some CPU" and info["isa"] == "avx512"
+    assert info["cpu_family_model_stepping"] == "26/2/1"
 
 
 @pytest.mark.parametrize("flags, isa", [("avx2 avx512f amx_tile", "amx"), ("avx2 avx512f", "avx512"),

@@ -103,8 +103,20 @@ tau, it is faster than plain. What the runs show, per kind of host:
   tokens/s ([`fresh2_b8_bf16_fixed_lockstep_avx512`](#fresh2_b8_bf16_fixed_lockstep_avx512)):
   matching suffix's tau at batch 8 on a CPU means verifying drafts that do not pay. Chat at batch 8
   moves by up to ~0.09x between runs (`lookahead` 1.09x, 1.05x, 1.00x, 1.04x, 1.06x; `suffix`
-  1.05x, 1.01x, 0.93x, 0.97x, 1.03x in the five batch-8 runs on the 120 prompts); on the first 40
+  1.05x, 1.01x, 0.93x, 0.97x, 1.03x in the five batch-8 runs on the 120 prompts on that host); on the first 40
   prompts, two waves of eight measured over ~7 s a category, runs moved a method by up to 0.24x.
+- **Batch 8 on a faster AVX-512 host**: a 2-core AMD EPYC that reports CPU family 26 and has
+  `avx512_vp2intersect` and `avx_vnni` (the runs above lack both) decodes chat at 495 tok/s at
+  batch 8 in bf16, a 16 ms step of eight rows against ~28 ms above. At 4b4d596 there
+  ([`fresh2_b8_bf16_lockstep_avx512_fam26`](#fresh2_b8_bf16_lockstep_avx512_fam26), plain engines
+  0.3 / 1.4 / 0.9% apart) `suffix` led every category, 1.02x / 1.12x / 1.28x plain; `lookahead`
+  ran 0.95x / 1.06x / 1.21x (tau 1.18 / 1.40 / 1.83), `bandit_tree` 0.93x / 0.96x / 1.13x,
+  `mamba` 1.03x / 1.09x / 1.18x and `cascade` 1.02x / 1.12x / 1.25x (at batch 8 both mostly
+  draft with their n-gram level alone, and verified 2.5 and 3.0 chat drafts a drafting row
+  against `lookahead`'s 1.7). A verified token is cheap there (`bandit_tree`'s fit: ~0.7 ms against 1.6 ms
+  above), so suffix's long, less precise chains pay, and the plugin's own work, timed in process
+  on this host at ~0.6-0.7 ms for the proposal and ~0.3-0.4 ms for the target's argmax a step, is
+  ~5% of a step. Served `lookahead` and `bandit_tree` were slower than plain on chat there.
 - **Float32 on the AVX-512 host**: plain decodes chat at 197 tok/s at batch 8 against 291 in bf16,
   and verifying 1 / 2 / 4 / 8 drafts per row costs 1.37x / 1.76x / 2.50x / 3.95x a plain step
   ([`draft_cost_b8_f32_avx512`](#draft_cost_b8_f32_avx512)): serve bf16 there.

@@ -116,7 +116,12 @@ tau, it is faster than plain. What the runs show, per kind of host:
   against `lookahead`'s 1.7). A verified token is cheap there (`bandit_tree`'s fit: ~0.7 ms against 1.6 ms
   above), so suffix's long, less precise chains pay, and the plugin's own work, timed in process
   on this host at ~0.6-0.7 ms for the proposal and ~0.3-0.4 ms for the target's argmax a step, is
-  ~5% of a step. Served `lookahead` and `bandit_tree` were slower than plain on chat there.
+  ~5% of a step. Served `lookahead` and `bandit_tree` were slower than plain on chat there. At
+  batch 1 on that host ([`fresh2_b1_bf16_lockstep_avx512_fam26`](#fresh2_b1_bf16_lockstep_avx512_fam26),
+  same plugin code, plain engines 5.1 / 5.4 / 3.9% apart) every method of ours ran 1.15x-2.44x
+  plain; `lookahead` 1.36x / 1.78x / 2.44x (tau 1.60 / 2.11 / 2.84) against `suffix`'s 1.35x /
+  1.76x / 2.23x (tau 1.52 / 2.03 / 2.45): above it in tau on all three, level in tokens/s on chat
+  and code (inside the plain engines' spread), ahead on repetitive text.
 - **Float32 on the AVX-512 host**: plain decodes chat at 197 tok/s at batch 8 against 291 in bf16,
   and verifying 1 / 2 / 4 / 8 drafts per row costs 1.37x / 1.76x / 2.50x / 3.95x a plain step
   ([`draft_cost_b8_f32_avx512`](#draft_cost_b8_f32_avx512)): serve bf16 there.

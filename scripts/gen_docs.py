@@ -653,12 +653,15 @@ def _bench():
 
 
 def host_class(out: dict) -> str:
-    """The host's widest matrix/vector ISA as bench.py names it, and whether it has bf16
-    instructions: what sets a CPU's price of verification."""
+    """The host's widest matrix/vector ISA as bench.py names it, whether it has bf16 instructions
+    (what sets a CPU's price of verification) and, where recorded, the CPU family: hosts of one
+    ISA and model name decode up to 1.5x apart."""
     m = out.get("machine") or {}
     flags = set(str(_first(m, "cpu_flags", "flags") or "").split())
     isa = _bench().isa_summary(flags)
-    return isa + (" + bf16" if flags & {"avx512_bf16", "amx_bf16"} else "")
+    fms = m.get("cpu_family_model_stepping")        # absent from runs before bench.py recorded it
+    return isa + (" + bf16" if flags & {"avx512_bf16", "amx_bf16"} else "") \
+        + (f", family {fms.split('/')[0]}" if fms else "")
 
 
 def _draft_price(cost: dict) -> dict[int, float]:

@@ -788,3 +788,23 @@ def test_ngram_match_is_the_latest_longest_match():
         n_max = int(rng.integers(n_min, 6))
         k = int(rng.integers(1, 9))
         assert ngram_match(np.array(t), k, n_min, n_max) == reference(t, k, n_min, n_max), (t, k, n_min, n_max)
+
+
+def test_shared_pool_tokens_are_classed_by_agreement():
+    """A shared-pool token that followed its context every time it was seen, twice or more, is
+    source 7; one that followed it in under half of the times source 8; one seen once source 4
+    (`Goodput` prices each class at its own rate). `best` reports the counts."""
+    p = LookaheadProposer(LookaheadConfig(4, shared_pool=1024))
+    p.shared.add([7, 8, 9, 7, 8, 9, 7, 8, 9], 0)       # (7, 8) -> 9 three times of three
+    p.shared.add([3, 4, 1, 3, 4, 2, 3, 4, 5], 0)       # (3, 4) -> 1, 2, 5 once each
+    p.shared.add([60, 61, 62], 0)                      # (60, 61) -> 62 once
+    assert p.shared.best([7, 8], 2, 2) == (9, 3, 3) and p.shared.best([3, 4], 2, 2)[1:] == (1, 3)
+    D = p._DEPTHS
+    for ctx, token, src in (([7, 8], 9, 7), ([3, 4], 5, 8), ([60, 61], 62, 4)):
+        t = np.array([200, 201] + ctx)
+        st = p.new_state(RequestStep("r", t, [int(t[-1])], []))
+        p.observe(st, RequestStep("r", t, [int(t[-1])], []))
+        p._classes = []
+        drafts = p.propose_one(st, RequestStep("r", t, [int(t[-1])], []), 1)
+        assert drafts == [token] and p._classes == [2 * src * D], (ctx, drafts, p._classes)
+        p.release("r")

@@ -122,6 +122,13 @@ tau, it is faster than plain. What the runs show, per kind of host:
   plain; `lookahead` 1.36x / 1.78x / 2.44x (tau 1.60 / 2.11 / 2.84) against `suffix`'s 1.35x /
   1.76x / 2.23x (tau 1.52 / 2.03 / 2.45): above it in tau on all three, level in tokens/s on chat
   and code (inside the plain engines' spread), ahead on repetitive text.
+  At 52d5f22, where the shared pool's tokens are classed by how often their context agreed on
+  them and the target's argmax is converted into a buffer kept across steps, the batch-8 command
+  again ([`fresh2_b8_bf16_lockstep_avx512_fam26_agree`](#fresh2_b8_bf16_lockstep_avx512_fam26_agree),
+  plain engines 0.2 / 2.1 / 1.7% apart; plain decoded chat at 404 tok/s that day): `lookahead`
+  1.02x / 1.11x / 1.23x (tau 1.29 / 1.47 / 1.85) against `suffix`'s 1.01x / 1.12x / 1.26x (tau
+  1.51 / 1.86 / 2.47), level on chat and code, behind on repetitive text and in tau; `mamba`
+  1.01x / 1.13x / 1.14x, `cascade` 0.99x / 1.13x / 1.22x, `bandit_tree` 0.97x / 1.07x / 1.15x.
 - **Float32 on the AVX-512 host**: plain decodes chat at 197 tok/s at batch 8 against 291 in bf16,
   and verifying 1 / 2 / 4 / 8 drafts per row costs 1.37x / 1.76x / 2.50x / 3.95x a plain step
   ([`draft_cost_b8_f32_avx512`](#draft_cost_b8_f32_avx512)): serve bf16 there.

@@ -129,6 +129,13 @@ tau, it is faster than plain. What the runs show, per kind of host:
   1.02x / 1.11x / 1.23x (tau 1.29 / 1.47 / 1.85) against `suffix`'s 1.01x / 1.12x / 1.26x (tau
   1.51 / 1.86 / 2.47), level on chat and code, behind on repetitive text and in tau; `mamba`
   1.01x / 1.13x / 1.14x, `cascade` 0.99x / 1.13x / 1.22x, `bandit_tree` 0.97x / 1.07x / 1.15x.
+  At batch 1 at 0c71ff5 ([`fresh2_b1_bf16_lockstep_avx512_fam26_agree`](#fresh2_b1_bf16_lockstep_avx512_fam26_agree),
+  plain engines 2.3 / 3.1 / 2.3% apart) `lookahead` ran 1.42x / 1.62x / 1.92x (tau 1.61 / 2.01 /
+  2.73) against `suffix`'s 1.40x / 1.69x / 1.86x (tau 1.52 / 2.03 / 2.45): ahead on chat (inside
+  the plain engines' spread) and on repetitive text, behind on code, in tokens/s and by 0.02 in
+  tau; every method of ours 1.18x-1.92x. `suffix` drafted and accepted the very same tokens in
+  both batch-1 runs on that host kind and ran 1.76x / 2.23x on code / repetitive text in the first,
+  1.69x / 1.86x in the second: what a verified token costs there moved between the two days.
 - **Float32 on the AVX-512 host**: plain decodes chat at 197 tok/s at batch 8 against 291 in bf16,
   and verifying 1 / 2 / 4 / 8 drafts per row costs 1.37x / 1.76x / 2.50x / 3.95x a plain step
   ([`draft_cost_b8_f32_avx512`](#draft_cost_b8_f32_avx512)): serve bf16 there.

@@ -141,14 +141,10 @@ class SharedPool:
         while len(tab) > self.cap:
             tab.popitem(last=False)
 
-    def next(self, ctx: list[int], lo: int, hi: int, tenant: str | None = None) -> int | None:
-        """The most counted next token after the longest suffix of ctx (hi..lo tokens) seen, in
-        the text of `tenant`'s requests."""
-        hit = self.best(ctx, lo, hi, tenant)
-        return None if hit is None else hit[0]
-
     def best(self, ctx: list[int], lo: int, hi: int, tenant: str | None = None) -> tuple[int, int, int] | None:
-        """`next`'s token, how often it followed that context and how often any token did."""
+        """The most counted next token after the longest suffix of ctx (hi..lo tokens) seen, in
+        the text of `tenant`'s requests, how often it followed that context and how often any
+        token did."""
         pre = () if tenant is None else (tenant,)
         for m in range(min(hi, self.n - 1, len(ctx)), lo - 1, -1):
             d = self._tab.get(pre + tuple(ctx[-m:]))
@@ -443,6 +439,7 @@ class LookaheadProposer(Proposer):
     #: tau +0.02-0.03 on every category.
     SURE = (2, 0.7)
     CONTESTED = 0.5
+    SHARED_SOURCES = (4, 7, 8)   # every source `_shared_source` gives
 
     def _shared_source(self, hit: tuple[int, int, int]) -> int:
         _, count, total = hit
@@ -674,7 +671,7 @@ class LookaheadProposer(Proposer):
         srcs: list[int] = []
         chain = self._chain(st, t, ctx, depth, srcs)
         # the tree's classes: the shared pool's tokens are a pool's
-        srcs = [1 if x in (4, 7, 8) else x for x in srcs]
+        srcs = [1 if x in self.SHARED_SOURCES else x for x in srcs]
         win = st.window[:min(self.window, depth)]
         alts = [list(g[1:depth + 1]) for g in reversed(st.pool.get(ctx[-1])[-self.guesses:])]
         if self.pl_min == 1:

@@ -90,16 +90,16 @@ def test_pool_cap_holds_over_4000_tokens():
 def test_shared_pool_counts_and_bounds():
     sp = SharedPool(3, cap=100, per_key=2)
     sp.add([1, 2, 3, 1, 2, 4, 1, 2, 3], 0)
-    assert sp.next([9, 1, 2], 1, 2) == 3           # (1, 2) -> 3 twice, 4 once
-    assert sp.next([9, 9, 2], 1, 2) == 3           # (2,) -> 3 twice
-    assert sp.next([9, 9, 3], 1, 2) == 1
-    assert sp.next([7, 8], 1, 2) is None
-    assert sp.next([8, 3], 2, 2) is None           # (8, 3) unseen, 1-token context not allowed
+    assert sp.best([9, 1, 2], 1, 2)[0] == 3           # (1, 2) -> 3 twice, 4 once
+    assert sp.best([9, 9, 2], 1, 2)[0] == 3           # (2,) -> 3 twice
+    assert sp.best([9, 9, 3], 1, 2)[0] == 1
+    assert sp.best([7, 8], 1, 2) is None
+    assert sp.best([8, 3], 2, 2) is None           # (8, 3) unseen, 1-token context not allowed
     sp.add([0, 2, 5], 1)                           # (2,) now holds 3, 4, 5: the least counted, oldest goes
-    assert sp.next([2], 1, 1) == 3 and sorted(sp._tab[(2,)]) == [3, 5]
+    assert sp.best([2], 1, 1)[0] == 3 and sorted(sp._tab[(2,)]) == [3, 5]
     sp.add([0, 2, 5], 1)
     sp.add([0, 2, 5], 1)
-    assert sp.next([2], 1, 1) == 5                 # 5 three times against 3 twice
+    assert sp.best([2], 1, 1)[0] == 5                 # 5 three times against 3 twice
     sp = SharedPool(2, cap=3)
     sp.add([1, 2, 3, 4, 5], 0)                     # contexts (1,) .. (4,): the oldest went
     assert list(sp._tab) == [(2,), (3,), (4,)]

@@ -540,20 +540,12 @@ def test_coupled_accept_acceptance_rate():
         assert abs(hits / 20_000 - want) < 0.015, (hits, want)
 
 
-def test_row_argmax_matches_torch_with_a_reused_buffer():
-    """bf16 logits converted into a caller's fp32 buffer give torch's argmax: first maximum on
-    ties, NaN above all; a buffer too small or of another width is not used."""
+def test_row_argmax_matches_torch():
+    """bf16 logits: torch's fp32 argmax, first maximum on ties, NaN above all."""
     from vllm_spec_plugins.scorers import row_argmax
     g = torch.Generator().manual_seed(0)
-    buf = torch.full((8, 300), 7.0)
     for rows in (5, 8, 3, 12):
         x = torch.randn(rows, 300, generator=g).mul(4).round().to(torch.bfloat16)   # many ties
         x[0, 17] = float("nan")
         x[1, :] = x[1].max()
-        want = x.float().argmax(-1)
-        assert row_argmax(x, buf).tolist() == want.tolist()
-        assert row_argmax(x).tolist() == want.tolist()
-        if rows <= 8:
-            assert torch.equal(buf[1:rows], x[1:].float())      # converted in place
-    assert torch.equal(buf[1:3], x[1:3].float()) is False       # 12 rows: not in the buffer
-    assert row_argmax(torch.randn(2, 301).to(torch.bfloat16), buf).shape == (2,)
+        assert row_argmax(x).tolist() == x.float().argmax(-1).tolist()

@@ -121,7 +121,6 @@ class PluginProposer:
         self.needs_target_argmax = self.impl.needs_target_argmax
         self.max_model_len = vllm_config.model_config.max_model_len
         self._argmax: list[list[int]] | None = None
-        self._argmax_buf = None   # fp32 rows `row_argmax` converts the logits into, kept across steps
         if vllm_config.parallel_config.tensor_parallel_size > 1:
             self.impl.set_sync(_broadcast_from_rank0)
         self.trees: dict = {}     # req_id -> DraftTree proposed last step (verified next step)
@@ -183,16 +182,9 @@ class PluginProposer:
         if spec_decode_metadata is None:
             self._argmax = None
             return
-        import torch
-
         from vllm_spec_plugins.scorers import row_argmax
         try:
-            rows, buf = logits.shape[0], self._argmax_buf
-            if logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype != torch.float32 and (
-                    buf is None or buf.shape[0] < rows or buf.shape[1] != logits.shape[1]):
-                buf = self._argmax_buf = torch.empty(max(rows, 2 * (0 if buf is None else buf.shape[0])),
-                                                     logits.shape[1])
-            ids = row_argmax(logits, buf).tolist()
+            ids = row_argmax(logits).tolist()
             self._argmax = [ids[a:b] for a, b in _request_rows(len(ids), spec_decode_metadata)]
         except Exception as e:  # noqa: BLE001 - acceptance then takes the argmax from the logits
             self._argmax = None

@@ -123,8 +123,8 @@ tau, it is faster than plain. What the runs show, per kind of host:
   1.76x / 2.23x (tau 1.52 / 2.03 / 2.45): above it in tau on all three, level in tokens/s on chat
   and code (inside the plain engines' spread), ahead on repetitive text.
   At 52d5f22, where the shared pool's tokens are classed by how often their context agreed on
-  them and the target's argmax is converted into a buffer kept across steps, the batch-8 command
-  again ([`fresh2_b8_bf16_lockstep_avx512_fam26_agree`](#fresh2_b8_bf16_lockstep_avx512_fam26_agree),
+  them, the batch-8 command again
+  ([`fresh2_b8_bf16_lockstep_avx512_fam26_agree`](#fresh2_b8_bf16_lockstep_avx512_fam26_agree),
   plain engines 0.2 / 2.1 / 1.7% apart; plain decoded chat at 404 tok/s that day): `lookahead`
   1.02x / 1.11x / 1.23x (tau 1.29 / 1.47 / 1.85) against `suffix`'s 1.01x / 1.12x / 1.26x (tau
   1.51 / 1.86 / 2.47), level on chat and code, behind on repetitive text and in tau; `mamba`

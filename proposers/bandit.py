@@ -36,12 +36,13 @@ at batch 32 on a CPU "no speculation" wins, that is the back-off) and in the tab
 bucket starts from the token counts and cost ratios of the nearest one: acceptance does not
 depend on the batch, the ratios little).
 One shape serves every row of a step, but rows differ: a chat row whose candidates are weak
-beside a code row that repeats its prompt. With `row_gate`, a row whose tree is expected to make
-fewer tokens than its nodes cost (the sum of its nodes' chances of acceptance against nodes x
-`node_price`, goodput's rule for a whole tree) drafts nothing that step; every `GATE_EXPLORE`-th
-step it drafts anyway, so its rates stay measured. Without it, at batch 8 here, 20% of
-`bandit_tree`'s chat drafts were accepted (36% with it; `lookahead`, cut per token, 53%): every
-arm was priced with rows that could not pay.
+beside a code row that repeats its prompt. With `row_gate`, a node whose chance of acceptance is
+not above `node_price` (what one more verified node costs, in tokens, at the step's rate:
+goodput's rule per token) is left out of every shape, and a row with no such node drafts nothing
+that step. Its classes' rates are per request and forget towards their priors, so a class cut
+off is tried again. Without it every arm is priced with rows and nodes that cannot pay, and a
+whole-tree rule (a row drafts its arm's whole tree where the tree's summed chances pay for its
+nodes) still verifies the tail nodes that do not.
 """
 from __future__ import annotations
 
@@ -205,8 +206,9 @@ class BanditTreeConfig(MethodConfig):
                      "(SamplingParams.extra_args[NAME])")
     exploration: float = key(0.05, 0.0, 10.0, "UCB exploration weight c (times the best mean reward)")
     discount: float = key(0.995, 0.5, 1.0, "per-step discount of the bandit's counts (memory ~ 1/(1-discount) steps)")
-    row_gate: bool = key(True, help="a request whose tree is expected to make fewer tokens than its nodes cost "
-                         "(the cost fit's price of a verified token) drafts nothing that step, whatever the arm")
+    row_gate: bool = key(True, help="leave out of every shape the nodes whose chance of acceptance is not above "
+                         "what a verified node costs (the cost fit's price, in tokens); a request with none "
+                         "drafts nothing that step")
     window: int = key(0, 0, 64, "drafter: Jacobi window W (0 = deepest shape)")
     ngram: int = key(4, 2, 16, "drafter: n-gram size N")
     guesses: int = key(7, 1, 64, "drafter: n-gram candidates kept per key token")
@@ -318,7 +320,10 @@ class BanditTreeProposer(Proposer):
         self.last_start: float | None = None
         self._ids: set = set()                   # request ids of the last step (`continues`)
         self.cost = StepCost()               # seconds of a step, from the time between proposals
-        self.nodes = [float(sum(sh)) for sh in self.shapes]   # nodes an arm drafts per request (EMA)
+        # nodes an arm drafts per request (its price): the shape's size until its first step, then
+        # measured (`NODE_MEMORY`)
+        self.nodes = [float(sum(sh)) for sh in self.shapes]
+        self.node_steps = [0] * len(self.shapes)
         self.context = 0.0                   # mean context length of the last step's decoding rows
         self.steps = 0
         self.draft_seconds = 0.0
@@ -404,15 +409,17 @@ class BanditTreeProposer(Proposer):
         a, b, jump = fit
         return [a + b * n * (1 + self.nodes[i]) + (jump if sh else 0.0) for i, sh in enumerate(self.shapes)]
 
-    #: a gated row still drafts its arm's tree every GATE_EXPLORE-th step (rows in turn), so its
-    #: rates keep being measured: they change only where its drafts are verified
-    GATE_EXPLORE = 8
+    #: steps over which an arm's nodes per request are averaged before an EMA of this memory takes
+    #: over. The shape's size stands in until its first step: rows cut to the nodes that pay draft
+    #: far fewer (at batch 8 on chat, ~1 node of a 6-node chain), and an EMA from that start priced
+    #: a rarely pulled arm as if it drafted its whole shape for tens of steps, so it was never
+    #: pulled again.
+    NODE_MEMORY = 10
 
     def node_price(self, n: int) -> float:
         """Tokens one more verified node costs at batch `n`, at the rate of a step without
-        drafts: b * n / (a + b * n) from the cost fit (0 before any step was measured). A row's
-        tree pays where its expected accepted tokens, the sum of its nodes' chances of acceptance,
-        exceed its nodes times this (goodput's rule, for a whole tree)."""
+        drafts: b * n / (a + b * n) from the cost fit (0 before any step was measured). A node pays
+        where its chance of acceptance is above this (goodput's rule)."""
         fit = self.cost.fit(max(n, 1), self.context)
         if fit is None:
             return 0.0
@@ -499,28 +506,26 @@ class BanditTreeProposer(Proposer):
             wider: dict[int, list] = {}
             also = {a: self.shapes[a] for a in self.allowed(bucket) if a != arm and self.shapes[a]}
             if cands is None:
-                tree = la.propose_tree(st, req, k, list(shape), also, subs)
-                gain = sum(st.proposed[3]) if len(tree) else 0.0
+                tree = la.propose_tree(st, req, k, list(shape), also, subs, node_price)
             else:
                 toks, pars, score = cands[i]
-                order = sorted(range(len(toks)), key=lambda j: (-score[j], j))   # parents first: scores fall
+                # best first, parents first (scores fall along a path): those that pay
+                order = [j for j in sorted(range(len(toks)), key=lambda j: (-score[j], j)) if score[j] > node_price]
                 tree, kept = shaped_tree(order, toks, pars, shape, min(la.tree_nodes, k, sum(shape)), also, subs,
                                          min(la.tree_nodes, k))
-                gain = sum(score[j] for j in kept)
                 if req.greedy:   # the other arms no deeper than this one: their trees, for `greedy_tokens`
                     for a, sh in also.items():
                         if a not in subs and len(sh) <= len(shape):
                             sel = _select(order, pars, sh, min(la.tree_nodes, k, sum(sh)))
                             wider[a] = [(j, toks[j], pars[j]) for j in sel]
-            if len(tree) and gain <= node_price * len(tree) and (self.steps + i) % self.GATE_EXPLORE:
-                tree = []                        # the row's tree does not pay for its verification
             drafted.setdefault(arm, []).append(len(tree))
             if len(tree):
                 self.subsets[req.req_id] = (len(tree), tree.is_chain, subs, wider)
             out.append(tree)
         self.once_s = self._once_total() - once0
-        for arm, v in drafted.items():
-            self.nodes[arm] = 0.9 * self.nodes[arm] + 0.1 * sum(v) / len(v)
+        for arm, v in drafted.items():   # a mean over an arm's first steps, then an EMA
+            self.node_steps[arm] = min(self.node_steps[arm] + 1, self.NODE_MEMORY)
+            self.nodes[arm] += (sum(v) / len(v) - self.nodes[arm]) / self.node_steps[arm]
         self.steps += 1
         self.last_start = now
         self.draft_seconds += self.clock() - now

@@ -516,7 +516,8 @@ class LookaheadProposer(Proposer):
     # capped at _DEPTHS. Sources: the chain form's chain, by where each token came from (0:
     # prompt lookup with >= 2 tokens of context, 1: pool, 2: 1-token prompt lookup), 3: the
     # Jacobi window after that chain (the chain form's draft tail), 4: the Jacobi window off the
-    # root (the paper's lookahead branch), 4 + r: the r-th other candidate (r >= 1). diverge: the
+    # root (the paper's lookahead branch), 4 + r: the r-th other candidate (r >= 1), then the chain
+    # form's own classes of the chain's other tokens (`_tree_source`). diverge: the
     # first node a candidate adds (depth 1, or where it leaves a shared prefix), which competes
     # with its siblings; else a continuation below the candidate's own node. A node's class is
     # set by the first candidate inserted through it (insertion order of `propose_tree`).
@@ -536,13 +537,24 @@ class LookaheadProposer(Proposer):
     #: (sources 0..3 as the tree form's, 4: the shared pool, 5: a text match over `LONG_MATCH` tokens,
     #: 6: a shorter match's tokens past its agreement, 7 / 8: the shared pool's agreed / contested
     #: tokens, `SURE`)
-    class_prior = np.repeat(np.array(_PRIOR[:4] + ((0.4, 0.6), (0.9, 0.9), (0.1, 0.3), (0.7, 0.8), (0.2, 0.3))).ravel(),
-                            _DEPTHS)
+    _CHAIN_PRIOR = _PRIOR[:4] + ((0.4, 0.6), (0.9, 0.9), (0.1, 0.3), (0.7, 0.8), (0.2, 0.3))
+    class_prior = np.repeat(np.array(_CHAIN_PRIOR).ravel(), _DEPTHS)
+    #: the chain-form sources past the tree's own (0..2) that a tree's chain carries: they keep
+    #: their classes in the tree, after the tree's other candidates (`_tree_source`)
+    _CHAIN_ONLY = (4, 5, 6, 7, 8)
+
+    def _tree_source(self, src: int) -> int:
+        """The tree's source of a chain-form token of source `src`: the tree's sources 0..2 are
+        the chain form's; the chain form's other classes (the shared pool's agreed / contested
+        tokens, long and short text matches) follow the tree's other candidates (4 + r, r <=
+        guesses + 1), so the tree prices them at their own measured rates too."""
+        return src if src < 3 else self.guesses + 6 + self._CHAIN_ONLY.index(src)
 
     def _init_stats(self, st: _State) -> None:
         pri = list(self._PRIOR)
         for r in range(1, self.guesses + 2):
             pri.append((self._PRIOR_ALT[0] * 0.5 ** (r - 1), self._PRIOR_ALT[1]))
+        pri += [self._CHAIN_PRIOR[x] for x in self._CHAIN_ONLY]
         rates = [rate for pair in pri for rate in pair for _ in range(self._DEPTHS)]
         st.tries = [self._PRIOR_WEIGHT] * len(rates)
         st.hits = [self._PRIOR_WEIGHT * q for q in rates]
@@ -650,7 +662,8 @@ class LookaheadProposer(Proposer):
                 add(tuple(gram))
 
     def propose_tree(self, st: _State, req: RequestStep, k: int, widths: "list[int] | None" = None,
-                      also: "dict | None" = None, subsets: "dict | None" = None) -> "DraftTree | list[int]":
+                     also: "dict | None" = None, subsets: "dict | None" = None,
+                     min_score: float = 0.0) -> "DraftTree | list[int]":
         """The draft tree: candidates merged as a trie, each node scored with its estimated
         probability of acceptance, the best `min(tree_nodes, k)` nodes kept, in `shaped_tree`'s
         order (the best path, then best first).
@@ -658,7 +671,8 @@ class LookaheadProposer(Proposer):
         best first, every node whose parent is kept and whose depth still has room. `also`
         {name: shape}: other shapes; for each whose tree is a subset of this one (so its
         acceptance is known once this tree is verified), `subsets[name]` receives its node
-        indices in the returned tree."""
+        indices in the returned tree. `min_score`: nodes whose chance of acceptance is not above it
+        are left out (a child never outscores its parent: what is left is a tree), in every shape."""
         if st.tries is None:
             self._init_stats(st)
         budget = min(self.tree_nodes, k)
@@ -669,9 +683,8 @@ class LookaheadProposer(Proposer):
         t = req.token_ids
         ctx = t[-max(self.pl_max, 1):].tolist()
         srcs: list[int] = []
-        chain = self._chain(st, t, ctx, depth, srcs)
-        # the tree's classes: the shared pool's tokens are a pool's
-        srcs = [1 if x in self.SHARED_SOURCES else x for x in srcs]
+        chain = self._chain(st, t, ctx, depth, srcs, matches=True)
+        srcs = [self._tree_source(x) for x in srcs]
         win = st.window[:min(self.window, depth)]
         alts = [list(g[1:depth + 1]) for g in reversed(st.pool.get(ctx[-1])[-self.guesses:])]
         if self.pl_min == 1:
@@ -713,7 +726,7 @@ class LookaheadProposer(Proposer):
                         c = (6 + (j != tail_from)) * D + dix[j]
                     fresh = False
                     s *= hits[c] / tries[c]   # P(accepted) = P(parent accepted) * P(accepted | reached)
-                    if len(top) == budget and s <= top[0][0]:
+                    if s <= min_score or (len(top) == budget and s <= top[0][0]):
                         return    # ties lose to older nodes
                     node = node_of[(par, x)] = len(toks)
                     toks.append(x)

@@ -251,8 +251,9 @@ def test_bandit_speculates_when_cheap_and_backs_off_when_costly():
     share = chosen(p, skip=200)
     assert share.get("none", 0) < 0.1, share
     # every drafted token costs three plain steps (a saturated batch): back off, and end up no
-    # slower than never speculating. Without the row gate the bandit backs off by its arms; with
-    # it (the default) a costly arm drafts only where a row's tree pays, so it costs less to pull
+    # slower than never speculating. Without the row gate the bandit backs off by its arms (a
+    # depth-1 chain that loses ~5% here is a near tie it keeps pulling now and then); with it (the
+    # default) a costly arm drafts only the nodes that pay, so it costs less to pull
     none_clock = CostClock(1.0, 3.0)
     run_bandit(BanditTreeProposer(BanditTreeConfig(16, shapes=[[]]), clock=none_clock, vocab_size=50), none_clock, f,
                prompts, 1200)
@@ -263,7 +264,7 @@ def test_bandit_speculates_when_cheap_and_backs_off_when_costly():
         run_bandit(p, clock, f, prompts, 1200)
         share = chosen(p, skip=100)
         if not gate:
-            assert share["none"] > 0.8, share
+            assert share["none"] > 0.6 and share["none"] == max(share.values()), share
         assert clock.t <= 1.08 * none_clock.t, (gate, clock.t, none_clock.t)   # exploration included
         seconds[gate] = clock.t
     assert seconds[True] < seconds[False], seconds     # the gate spares the trees that do not pay
@@ -474,7 +475,9 @@ def test_mamba_drafter_wider_arms_are_observed_exactly_in_greedy_steps():
             up, path = nxt, path + [target(path)]
         return len(path) - len(prefix) + 1
 
-    p = BanditTreeProposer(BanditTreeConfig(8, shapes=[[1, 1], [3, 1]], discount=1.0), vocab_size=V, drafter=d)
+    # row_gate off: every node is kept, so the 3-1 tree is never a subset of the chain pulled
+    p = BanditTreeProposer(BanditTreeConfig(8, shapes=[[1, 1], [3, 1]], discount=1.0, row_gate=False), vocab_size=V,
+                           drafter=d)
     table = p.table(("global", 1))
     table.choose = lambda price, allowed=None, w=None: 0     # always the chain
     seen, orig = [], p._counterfactual

@@ -136,6 +136,15 @@ tau, it is faster than plain. What the runs show, per kind of host:
   tau; every method of ours 1.18x-1.92x. `suffix` drafted and accepted the very same tokens in
   both batch-1 runs on that host kind and ran 1.76x / 2.23x on code / repetitive text in the first,
   1.69x / 1.86x in the second: what a verified token costs there moved between the two days.
+  At 17a88f0, where `bandit_tree` leaves out of each tree the nodes whose chance of acceptance
+  does not pay for their verification (it had verified a row's whole tree wherever the tree's
+  summed chances paid for its nodes), the batch-8 command again
+  ([`fresh2_b8_bf16_lockstep_avx512_fam26_nodecut`](#fresh2_b8_bf16_lockstep_avx512_fam26_nodecut),
+  plain engines 4.0 / 4.4 / 1.6% apart; plain decoded chat at 359-374 tok/s that day): every
+  method of ours ran 1.04x-1.32x plain; `bandit_tree` 1.07x / 1.16x / 1.32x (tau 1.38 / 1.70 /
+  1.99) against `suffix`'s 1.06x / 1.14x / 1.32x (tau 1.51 / 1.86 / 2.47), ahead on chat and code
+  (inside the plain engines' spread) and level on repetitive text, below it in tau; `lookahead`
+  1.04x / 1.12x / 1.19x (tau 1.27 / 1.43 / 1.79), behind `suffix` on all three.
 - **Float32 on the AVX-512 host**: plain decodes chat at 197 tok/s at batch 8 against 291 in bf16,
   and verifying 1 / 2 / 4 / 8 drafts per row costs 1.37x / 1.76x / 2.50x / 3.95x a plain step
   ([`draft_cost_b8_f32_avx512`](#draft_cost_b8_f32_avx512)): serve bf16 there.

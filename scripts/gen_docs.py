@@ -145,6 +145,12 @@ tau, it is faster than plain. What the runs show, per kind of host:
   1.99) against `suffix`'s 1.06x / 1.14x / 1.32x (tau 1.51 / 1.86 / 2.47), ahead on chat and code
   (inside the plain engines' spread) and level on repetitive text, below it in tau; `lookahead`
   1.04x / 1.12x / 1.19x (tau 1.27 / 1.43 / 1.79), behind `suffix` on all three.
+  At batch 1 at 17a88f0
+  ([`fresh2_b1_bf16_lockstep_avx512_fam26_nodecut`](#fresh2_b1_bf16_lockstep_avx512_fam26_nodecut),
+  plain engines 1.8 / 3.3 / 2.0% apart; `lookahead`'s code as at 0c71ff5) `lookahead` ran 1.51x /
+  1.54x / 2.20x (tau 1.63 / 2.06 / 2.71) against `suffix`'s 1.41x / 1.48x / 2.06x (tau 1.52 / 2.03
+  / 2.45): above it in tau and tokens/s on all three, on code by about the plain engines' spread;
+  every method of ours 1.26x-2.20x, `bandit_tree` 1.46x / 1.48x / 2.11x.
 - **Float32 on the AVX-512 host**: plain decodes chat at 197 tok/s at batch 8 against 291 in bf16,
   and verifying 1 / 2 / 4 / 8 drafts per row costs 1.37x / 1.76x / 2.50x / 3.95x a plain step
   ([`draft_cost_b8_f32_avx512`](#draft_cost_b8_f32_avx512)): serve bf16 there.

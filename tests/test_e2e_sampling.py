@@ -72,9 +72,11 @@ def test_sampled_follows_target(method, tiny_model, plain, references, tiny_mamb
                         "goodput": False},
             "cascade_lookahead": {"method": "cascade", "levels": ["lookahead", "mamba"], "num_speculative_tokens": 6,
                                   "model": tiny_mamba_drafter, "goodput": False},
-            "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 8, "exploration": 1.0},
+            # row_gate off: every node its arm's shape holds is drafted (none is cut as not paying)
+            "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 8, "exploration": 1.0,
+                            "row_gate": False},
             "bandit_tree_mamba": {"method": "bandit_tree", "num_speculative_tokens": 8, "exploration": 1.0,
-                                  "drafter": "mamba", "model": tiny_mamba_drafter},
+                                  "drafter": "mamba", "model": tiny_mamba_drafter, "row_gate": False},
             "oracle_chain": {"method": "oracle", "num_speculative_tokens": 3, "references": references},
             "oracle_tree": {"method": "oracle", "num_speculative_tokens": 8, "references": references,
                             "tree_nodes": 8, "tree_depth": 3}}[method]

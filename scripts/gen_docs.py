@@ -151,6 +151,14 @@ tau, it is faster than plain. What the runs show, per kind of host:
   1.54x / 2.20x (tau 1.63 / 2.06 / 2.71) against `suffix`'s 1.41x / 1.48x / 2.06x (tau 1.52 / 2.03
   / 2.45): above it in tau and tokens/s on all three, on code by about the plain engines' spread;
   every method of ours 1.26x-2.20x, `bandit_tree` 1.46x / 1.48x / 2.11x.
+  At a0a0960, where a row also drafts its arm's whole shape every 64th step (rows in turn), the
+  batch-8 command again
+  ([`fresh2_b8_bf16_lockstep_avx512_fam26_explore`](#fresh2_b8_bf16_lockstep_avx512_fam26_explore),
+  plain engines 6.2 / 5.1 / 2.5% apart, the widest spread of these runs): every method of ours ran
+  1.04x-1.28x plain; `lookahead` 1.10x / 1.11x / 1.28x (tau 1.33 / 1.51 / 1.83) against `suffix`'s
+  1.13x / 1.11x / 1.33x (tau 1.51 / 1.86 / 2.47), `bandit_tree` 1.08x / 1.10x / 1.21x (tau 1.34 /
+  1.53 / 1.63): `bandit_tree`'s lead over `suffix` in the run before did not repeat, and no method
+  of ours is ahead of `suffix` at batch 8 on this host by more than the plain engines' spread.
 - **Float32 on the AVX-512 host**: plain decodes chat at 197 tok/s at batch 8 against 291 in bf16,
   and verifying 1 / 2 / 4 / 8 drafts per row costs 1.37x / 1.76x / 2.50x / 3.95x a plain step
   ([`draft_cost_b8_f32_avx512`](#draft_cost_b8_f32_avx512)): serve bf16 there.

@@ -227,6 +227,11 @@ class Proposer:
     #: Mamba drafter), called as `propose` (it sets `classes` too), or None: what `Goodput` drafts
     #: while the costly part does not pay.
     propose_fallback = None
+    #: whether the proposer's seconds per step do not grow with the chain length it is asked for
+    #: (a lookup extends a chain in microseconds; a draft model runs once per token). `Goodput`
+    #: then asks it for its whole budget, and each row's cut decides, even where its seconds per
+    #: row make it a costly proposer (switched on and off by what it makes).
+    depth_free: bool = False
 
     def __init__(self, num_speculative_tokens: int):
         if num_speculative_tokens < 1:

@@ -27,7 +27,9 @@ A proposer that costs next to nothing (a pool, a lookup: under 2% of a step) run
 the cut decides; it is asked for no deeper a chain than the cut could keep with this step's rates
 and prices, and for none where no draft can pay (`_reachable`: a verified token as dear as a row's
 step), so such a step costs about what a plain one does. One that costs real time (a draft model)
-runs only while it pays: per batch-size bucket its own seconds per row, the accepted tokens the cut
+runs only while it pays (so does a lookup whose seconds per row pass `cheap` of a step, as at
+batch 8 here, but it is asked for a cheap proposer's depth: its seconds do not grow with depth,
+`depth_free`): per batch-size bucket its own seconds per row, the accepted tokens the cut
 expected per request (scaled by the ratio of accepted to expected tokens measured so far) and the
 drafts kept are tracked, and the predicted rate with drafts (R_on, with its own time and the jump)
 is compared with the rate without (R_off). It is switched off by measurements, not by a prior, and
@@ -300,7 +302,12 @@ class Goodput(Proposer):
         is accepted (`reach`, measured where drafted) pays for one more drafter step and its
         verification at the step's rate, p_j > (b + drafter seconds per token) * R. One depth
         more every `explore_every`-th drafting step keeps the next depth measured. A proposer
-        that costs next to nothing drafts `budget` (the cut decides; `_reachable` bounds both)."""
+        that costs next to nothing, or whose seconds do not grow with depth (`depth_free`),
+        drafts `budget` (the cut decides; `_reachable` bounds both): a mean over rows would cut
+        the one row whose long match pays at every depth to what the average row's chain pays
+        (lookahead at batch 8 here: ~2-4 tokens asked of 16, where a lookup costs ~2.5% of a step)."""
+        if self.inner.depth_free:
+            return budget
         fit = self.cost.fit(n, self.context)
         if fit is None or bucket["on_row_s"] is None or bucket["gain"] is None or not bucket["depth"]:
             return budget

@@ -236,6 +236,7 @@ class LookaheadConfig(MethodConfig):
 
 class LookaheadProposer(Proposer):
     needs_target_argmax = True
+    depth_free = True                           # a chain is lookups: its length costs next to nothing
     clock = staticmethod(time.perf_counter)     # `once_seconds` (a `Goodput` around it sets its own)
 
     def __init__(self, cfg: LookaheadConfig, vocab_size: int | None = None):

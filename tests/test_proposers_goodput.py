@@ -450,6 +450,47 @@ def test_a_costly_drafter_drafts_only_the_depths_that_pay():
     assert 2.0 <= np.mean(late) <= 2.6 and max(late) <= 3, (np.mean(late), prop.goodput_state())
 
 
+class Lookup(OracleProposer):
+    """A lookup-like proposer: `cost` clock seconds per drafting row, whatever the depth. Request
+    r0's chains are right at every depth (classes 0..3); every other row's first token is wrong
+    (classes 4..7). Records the depth each step asked for."""
+    class_prior = np.full(8, 0.5)
+
+    def __init__(self, refs, clock, cost, depth_free):
+        super().__init__(4, refs)
+        self.clock, self.cost, self.depth_free, self.asked = clock, cost, depth_free, []
+
+    def propose(self, ctx):
+        if ctx.budget(self.k):
+            self.asked.append(ctx.budget(self.k))
+            self.clock.t += self.cost * sum(1 for r in ctx.requests if r.sampled)
+        return super().propose(ctx)
+
+    def propose_one(self, st, req, k):
+        d = super().propose_one(st, req, k)
+        good = req.req_id == "r0"
+        self._classes = [(0 if good else 4) + j for j in range(len(d))]
+        return d if good else [(x + 1) % V for x in d]
+
+
+@pytest.mark.parametrize("depth_free", [True, False])
+def test_a_lookup_costly_per_row_is_asked_for_its_whole_chain(depth_free):
+    """At batch 8, a proposer whose seconds per row are over `cheap` of a step but do not grow
+    with depth (`depth_free`, a lookup) is asked for its whole budget: the one row whose chain is
+    right keeps it whole, where depths bounded by the mean row's chance (a draft model's rule)
+    would cut it to the one token that the average row's chain pays for."""
+    made = {}
+
+    def make(refs, clock):
+        made["inner"] = Lookup(refs, clock, 0.2, depth_free)
+        return made["inner"]
+    prop, steps = run(make, 8, 60, fixed=10.0, per_token=1.0)
+    late = made["inner"].asked[len(made["inner"].asked) // 3:]
+    # r0's 60 tokens: 5 a step once its chain is kept whole, ~2 a step where it is asked for ~1
+    assert steps["r0"] <= 18 if depth_free else steps["r0"] >= 24, (steps, prop.goodput_state())
+    assert (min(late) == 4) if depth_free else (np.mean(late) < 2), late
+
+
 class Flaky(OracleProposer):
     """The reference chain with the token at every `every`-th position of the text wrong (by
     position: a shorter chain is a prefix of a longer one), so no class is always accepted."""

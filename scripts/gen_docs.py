@@ -105,60 +105,26 @@ tau, it is faster than plain. What the runs show, per kind of host:
   moves by up to ~0.09x between runs (`lookahead` 1.09x, 1.05x, 1.00x, 1.04x, 1.06x; `suffix`
   1.05x, 1.01x, 0.93x, 0.97x, 1.03x in the five batch-8 runs on the 120 prompts on that host); on the first 40
   prompts, two waves of eight measured over ~7 s a category, runs moved a method by up to 0.24x.
-- **Batch 8 on a faster AVX-512 host**: a 2-core AMD EPYC that reports CPU family 26 and has
-  `avx512_vp2intersect` and `avx_vnni` (the runs above lack both) decodes chat at 495 tok/s at
-  batch 8 in bf16, a 16 ms step of eight rows against ~28 ms above. At 4b4d596 there
-  ([`fresh2_b8_bf16_lockstep_avx512_fam26`](#fresh2_b8_bf16_lockstep_avx512_fam26), plain engines
-  0.3 / 1.4 / 0.9% apart) `suffix` led every category, 1.02x / 1.12x / 1.28x plain; `lookahead`
-  ran 0.95x / 1.06x / 1.21x (tau 1.18 / 1.40 / 1.83), `bandit_tree` 0.93x / 0.96x / 1.13x,
-  `mamba` 1.03x / 1.09x / 1.18x and `cascade` 1.02x / 1.12x / 1.25x (at batch 8 both mostly
-  draft with their n-gram level alone, and verified 2.5 and 3.0 chat drafts a drafting row
-  against `lookahead`'s 1.7). A verified token is cheap there (`bandit_tree`'s fit: ~0.7 ms against 1.6 ms
-  above), so suffix's long, less precise chains pay, and the plugin's own work, timed in process
-  on this host at ~0.6-0.7 ms for the proposal and ~0.3-0.4 ms for the target's argmax a step, is
-  ~5% of a step. Served `lookahead` and `bandit_tree` were slower than plain on chat there. At
-  batch 1 on that host ([`fresh2_b1_bf16_lockstep_avx512_fam26`](#fresh2_b1_bf16_lockstep_avx512_fam26),
-  same plugin code, plain engines 5.1 / 5.4 / 3.9% apart) every method of ours ran 1.15x-2.44x
-  plain; `lookahead` 1.36x / 1.78x / 2.44x (tau 1.60 / 2.11 / 2.84) against `suffix`'s 1.35x /
-  1.76x / 2.23x (tau 1.52 / 2.03 / 2.45): above it in tau on all three, level in tokens/s on chat
-  and code (inside the plain engines' spread), ahead on repetitive text.
-  At 52d5f22, where the shared pool's tokens are classed by how often their context agreed on
-  them, the batch-8 command again
-  ([`fresh2_b8_bf16_lockstep_avx512_fam26_agree`](#fresh2_b8_bf16_lockstep_avx512_fam26_agree),
-  plain engines 0.2 / 2.1 / 1.7% apart; plain decoded chat at 404 tok/s that day): `lookahead`
-  1.02x / 1.11x / 1.23x (tau 1.29 / 1.47 / 1.85) against `suffix`'s 1.01x / 1.12x / 1.26x (tau
-  1.51 / 1.86 / 2.47), level on chat and code, behind on repetitive text and in tau; `mamba`
-  1.01x / 1.13x / 1.14x, `cascade` 0.99x / 1.13x / 1.22x, `bandit_tree` 0.97x / 1.07x / 1.15x.
-  At batch 1 at 0c71ff5 ([`fresh2_b1_bf16_lockstep_avx512_fam26_agree`](#fresh2_b1_bf16_lockstep_avx512_fam26_agree),
-  plain engines 2.3 / 3.1 / 2.3% apart) `lookahead` ran 1.42x / 1.62x / 1.92x (tau 1.61 / 2.01 /
-  2.73) against `suffix`'s 1.40x / 1.69x / 1.86x (tau 1.52 / 2.03 / 2.45): ahead on chat (inside
-  the plain engines' spread) and on repetitive text, behind on code, in tokens/s and by 0.02 in
-  tau; every method of ours 1.18x-1.92x. `suffix` drafted and accepted the very same tokens in
-  both batch-1 runs on that host kind and ran 1.76x / 2.23x on code / repetitive text in the first,
-  1.69x / 1.86x in the second: what a verified token costs there moved between the two days.
-  At 17a88f0, where `bandit_tree` leaves out of each tree the nodes whose chance of acceptance
-  does not pay for their verification (it had verified a row's whole tree wherever the tree's
-  summed chances paid for its nodes), the batch-8 command again
-  ([`fresh2_b8_bf16_lockstep_avx512_fam26_nodecut`](#fresh2_b8_bf16_lockstep_avx512_fam26_nodecut),
-  plain engines 4.0 / 4.4 / 1.6% apart; plain decoded chat at 359-374 tok/s that day): every
-  method of ours ran 1.04x-1.32x plain; `bandit_tree` 1.07x / 1.16x / 1.32x (tau 1.38 / 1.70 /
-  1.99) against `suffix`'s 1.06x / 1.14x / 1.32x (tau 1.51 / 1.86 / 2.47), ahead on chat and code
-  (inside the plain engines' spread) and level on repetitive text, below it in tau; `lookahead`
-  1.04x / 1.12x / 1.19x (tau 1.27 / 1.43 / 1.79), behind `suffix` on all three.
-  At batch 1 at 17a88f0
-  ([`fresh2_b1_bf16_lockstep_avx512_fam26_nodecut`](#fresh2_b1_bf16_lockstep_avx512_fam26_nodecut),
-  plain engines 1.8 / 3.3 / 2.0% apart; `lookahead`'s code as at 0c71ff5) `lookahead` ran 1.51x /
-  1.54x / 2.20x (tau 1.63 / 2.06 / 2.71) against `suffix`'s 1.41x / 1.48x / 2.06x (tau 1.52 / 2.03
-  / 2.45): above it in tau and tokens/s on all three, on code by about the plain engines' spread;
-  every method of ours 1.26x-2.20x, `bandit_tree` 1.46x / 1.48x / 2.11x.
-  At a0a0960, where a row also drafts its arm's whole shape every 64th step (rows in turn), the
-  batch-8 command again
-  ([`fresh2_b8_bf16_lockstep_avx512_fam26_explore`](#fresh2_b8_bf16_lockstep_avx512_fam26_explore),
-  plain engines 6.2 / 5.1 / 2.5% apart, the widest spread of these runs): every method of ours ran
-  1.04x-1.28x plain; `lookahead` 1.10x / 1.11x / 1.28x (tau 1.33 / 1.51 / 1.83) against `suffix`'s
-  1.13x / 1.11x / 1.33x (tau 1.51 / 1.86 / 2.47), `bandit_tree` 1.08x / 1.10x / 1.21x (tau 1.34 /
-  1.53 / 1.63): `bandit_tree`'s lead over `suffix` in the run before did not repeat, and no method
-  of ours is ahead of `suffix` at batch 8 on this host by more than the plain engines' spread.
+- **A faster AVX-512 host**: a 2-core AMD EPYC that reports CPU family 26 and has
+  `avx512_vp2intersect` and `avx_vnni` (the runs above lack both) decodes chat at 330-495 tok/s at
+  batch 8 in bf16 (it moves from day to day), a 16-20 ms step of eight rows against ~28 ms above,
+  and a verified token is cheap there (~0.5-0.7 ms against ~1.6 ms), so suffix's long, less
+  precise chains pay at batch 8 too. At b3d1268, batch 8
+  ([`fresh2_b8_bf16_lockstep_avx512_fam26_depthfree`](#fresh2_b8_bf16_lockstep_avx512_fam26_depthfree),
+  plain engines 1.0 / 1.3 / 1.0% apart): every method of ours ran 1.05x-1.36x plain; `lookahead`
+  1.07x / 1.21x / 1.36x (tau 1.35 / 1.61 / 2.22) against `suffix`'s 1.09x / 1.20x / 1.34x (tau
+  1.51 / 1.86 / 2.47): level in tokens/s (within 2% on each category), below it in tau, most on
+  chat, where suffix verifies twice as many drafts (10.8 a step against 5.5), 35% of them accepted
+  against 48%. Batch 1 at the same code
+  ([`fresh2_b1_bf16_lockstep_avx512_fam26_depthfree`](#fresh2_b1_bf16_lockstep_avx512_fam26_depthfree),
+  plain engines 2.4 / 3.7 / 3.6% apart): every method of ours 1.20x-1.98x; `lookahead` 1.38x /
+  1.56x / 1.98x (tau 1.61 / 2.01 / 2.73) against `suffix`'s 1.36x / 1.63x / 1.86x (tau 1.52 /
+  2.03 / 2.45): ahead on chat and repetitive text, behind on code. Runs move on this host: over
+  the four batch-1 runs here `suffix` ran 1.48x-1.76x on code with the very same drafts, and
+  `lookahead` was ahead of it on code in one of them
+  ([`_nodecut`](#fresh2_b1_bf16_lockstep_avx512_fam26_nodecut)). In the batch-8 rows before
+  b3d1268 goodput asked `lookahead` at batch 8 for the depth a draft model would get (its seconds
+  per row pass 2% of a step there), 2-4 tokens of 16: its tau on repetitive text was 1.79-1.85.
 - **Float32 on the AVX-512 host**: plain decodes chat at 197 tok/s at batch 8 against 291 in bf16,
   and verifying 1 / 2 / 4 / 8 drafts per row costs 1.37x / 1.76x / 2.50x / 3.95x a plain step
   ([`draft_cost_b8_f32_avx512`](#draft_cost_b8_f32_avx512)): serve bf16 there.

@@ -115,7 +115,10 @@ tau, it is faster than plain. What the runs show, per kind of host:
   1.07x / 1.21x / 1.36x (tau 1.35 / 1.61 / 2.22) against `suffix`'s 1.09x / 1.20x / 1.34x (tau
   1.51 / 1.86 / 2.47): level in tokens/s (within 2% on each category), below it in tau, most on
   chat, where suffix verifies twice as many drafts (10.8 a step against 5.5), 35% of them accepted
-  against 48%. Batch 1 at the same code
+  against 48%. The same command again
+  ([`_depthfree_repeat2`](#fresh2_b8_bf16_lockstep_avx512_fam26_depthfree_repeat2), plain engines
+  0.6 / 0.1 / 1.2% apart): `lookahead` 1.14x / 1.17x / 1.36x (tau 1.38 / 1.65 / 2.19), `suffix`
+  1.14x / 1.17x / 1.37x, every method of ours 1.08x-1.36x. Batch 1 at the same code
   ([`fresh2_b1_bf16_lockstep_avx512_fam26_depthfree`](#fresh2_b1_bf16_lockstep_avx512_fam26_depthfree),
   plain engines 2.4 / 3.7 / 3.6% apart): every method of ours 1.20x-1.98x; `lookahead` 1.38x /
   1.56x / 1.98x (tau 1.61 / 2.01 / 2.73) against `suffix`'s 1.36x / 1.63x / 1.86x (tau 1.52 /

@@ -520,7 +520,7 @@ class BanditTreeProposer(Proposer):
                 # best first, parents first (scores fall along a path): those that pay
                 order = [j for j in sorted(range(len(toks)), key=lambda j: (-score[j], j)) if score[j] > cut]
                 tree, _ = shaped_tree(order, toks, pars, shape, min(la.tree_nodes, k, sum(shape)), also, subs,
-                                         min(la.tree_nodes, k))
+                                      min(la.tree_nodes, k))
                 if req.greedy:   # the other arms no deeper than this one: their trees, for `greedy_tokens`
                     for a, sh in also.items():
                         if a not in subs and len(sh) <= len(shape):

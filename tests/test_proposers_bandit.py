@@ -421,7 +421,8 @@ def test_mamba_drafter_trees_follow_shapes_stay_lossless_and_siblings_pay():
     want = greedy(target, prompt, 80)
     steps = {}
     for shape in [(1, 1, 1, 1), (2, 2, 2, 1), (3, 1, 1)]:
-        p = BanditTreeProposer(BanditTreeConfig(8, shapes=[shape]), vocab_size=V, drafter=d)
+        clock = CostClock(1.0, 0.01)     # simulated step costs: what the bandit learns is reproducible
+        p = BanditTreeProposer(BanditTreeConfig(8, shapes=[shape]), clock=clock, vocab_size=V, drafter=d)
         eng = ToyEngine(p, target, vocab_size=V)
         seen = []
         orig = p.propose
@@ -433,7 +434,7 @@ def test_mamba_drafter_trees_follow_shapes_stay_lossless_and_siblings_pay():
         p.propose = spy
         eng.add("r", prompt, 80)
         while eng.reqs:
-            eng.step()
+            clock.charge(eng.step())
         assert eng.done["r"].out == want, shape
         assert seen
         for t in seen:

@@ -34,9 +34,11 @@ FAMILIES = {
                         "propose:3,begin:6"),
     "mamba": ({"method": "mamba", "num_speculative_tokens": 3, "model": SHIPPED_MAMBA, "goodput": False},
               "propose:2,propose:7"),
-    # two tree shapes: whichever the bandit picks (timing decides), a drafting step verifies a tree
+    # two tree shapes: whichever the bandit picks (timing decides), a drafting step verifies a
+    # tree; without the row gate, whose price of a node is measured time, nodes are never cut to
+    # a chain (a chain has no tree attention for `attend` faults to land in)
     "bandit_tree": ({"method": "bandit_tree", "num_speculative_tokens": 8, "exploration": 1.0,
-                     "shapes": [[2, 1], [2, 1, 1]]}, "propose:4,attend:100,accept:2"),
+                     "shapes": [[2, 1], [2, 1, 1]], "row_gate": False}, "propose:4,attend:100,accept:2"),
     "cascade": ({"method": "cascade", "num_speculative_tokens": 4, "model": SHIPPED_MAMBA, "goodput": False},
                 "propose:3"),
 }

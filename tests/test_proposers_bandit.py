@@ -286,14 +286,12 @@ def test_bandit_matches_best_fixed_shape_in_hindsight():
     f = pair_table_target(50, 7, 0.05, branching=3)
     prompts = [np.random.default_rng(10 + s).integers(0, 50, 24).tolist() for s in range(3)]
 
-    def run(p):
-        clock = CostClock(1.0, 0.005)
-        p.clock = clock
-        eng = run_bandit(p, clock, f, prompts, 1200)
+    def run(cfg):
+        clock = CostClock(1.0, 0.005)     # one clock for the bandit and its lookahead drafter
+        eng = run_bandit(BanditTreeProposer(cfg, clock=clock, vocab_size=50), clock, f, prompts, 1200)
         return sum(len(r.out) for r in eng.done.values()) / sum(r.steps for r in eng.done.values()), clock.t
-    fixed = {s: run(BanditTreeProposer(BanditTreeConfig(16, shapes=[list(s)]), vocab_size=50))
-             for s in shape_family(6, 4, 16)}
-    tau, seconds = run(BanditTreeProposer(BanditTreeConfig(16), vocab_size=50))
+    fixed = {s: run(BanditTreeConfig(16, shapes=[list(s)])) for s in shape_family(6, 4, 16)}
+    tau, seconds = run(BanditTreeConfig(16))
     assert tau > 2.5, (tau, fixed)          # it speculates deep (fixed: none 1.0, depth 2 <= 2.6)
     assert seconds <= 1.05 * min(sec for _, sec in fixed.values()), (seconds, fixed)
 

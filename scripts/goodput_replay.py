@@ -5,9 +5,12 @@ Every step the target "returns" plain's next token where the prefix is plain's t
 elsewhere, so the Jacobi window learns nothing real: `lookahead` is replayed without what its own
 iterations would add). A step costs `--step-ms` + `--token-ms` per token it runs (rows + drafts)
 + `--jump-ms` when it verifies any draft, on a simulated clock that goodput measures as it would
-a real one. As in the plugin, no draft past a request's max_tokens is verified. A tuning tool
-for what drafts: no speed claim comes from it (`bench.py` makes those). Prompts are rebuilt
-from the run's own command line, answers re-tokenized from its text.
+a real one; with `--proposer-time` also the proposal's own seconds, measured here (Python
+lookups cost a model-free proposer of ours ~70 us a row at batch 8, which moves goodput's cut;
+arctic-inference's suffix tree costs a few). As in the plugin, no draft past a request's
+max_tokens is verified. A tuning tool for what drafts: no speed claim comes from it (`bench.py`
+makes those). Prompts are rebuilt from the run's own command line, answers re-tokenized from
+its text.
 
     python scripts/bench.py --prompts heldout --n-per-category 24 --methods plain --no-plain-rerun \\
         --dtype float32 --batch-size 8 --json out/heldout_plain.json
@@ -17,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -24,12 +28,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 class Clock:
-    """The simulated clock steps advance; goodput reads it as `time.perf_counter`."""
+    """The simulated clock steps advance; goodput reads it as `time.perf_counter`. While `live`
+    (a proposal timed for real, `--proposer-time`), the real seconds since then run on it."""
 
     t = 0.0
+    live: float | None = None
 
     def __call__(self) -> float:
-        return self.t
+        return self.t if self.live is None else self.t + time.perf_counter() - self.live
 
 
 def suffix_proposer():
@@ -72,8 +78,11 @@ def suffix_proposer():
     return Suffix()
 
 
-def replay(method: str, prompts: list, answers: list, batch: int, cost: tuple, params: dict) -> dict:
-    """Serve `prompts` `batch` at a time through `method`, the target answering `answers`."""
+def replay(method: str, prompts: list, answers: list, batch: int, cost: tuple, params: dict,
+           proposer_time: bool = False) -> dict:
+    """Serve `prompts` `batch` at a time through `method`, the target answering `answers`.
+    `proposer_time`: each step also costs the proposer's own seconds, measured here (as a step of
+    the plugin does, and as goodput measures them), not only the cost model's."""
     from vllm_spec_plugins.config import from_params
     from vllm_spec_plugins.proposers.base import BuildEnv, Proposer
     from vllm_spec_plugins.proposers.testing import ToyEngine
@@ -96,6 +105,16 @@ def replay(method: str, prompts: list, answers: list, batch: int, cost: tuple, p
         for x in (prop, getattr(prop, "inner", None), getattr(prop, "lookahead", None), getattr(prop, "mamba", None)):
             if x is not None:
                 x.clock = clock
+    if proposer_time:
+        untimed = prop.propose
+
+        def timed(ctx):
+            clock.live = time.perf_counter()
+            try:
+                return untimed(ctx)
+            finally:
+                clock.t, clock.live = clock(), None
+        prop.propose = timed
     eng = ToyEngine(prop, lambda prefix: table.get(prefix, hash(prefix) % 40000 + 5000))
     queue = list(enumerate(zip(prompts, answers)))
     step_s, token_s, jump_s = cost
@@ -128,6 +147,9 @@ def main():
     p.add_argument("--step-ms", type=float, default=73.5, help="a step's fixed cost")
     p.add_argument("--token-ms", type=float, default=3.0, help="per token a step runs")
     p.add_argument("--jump-ms", type=float, default=10.0, help="a step that verifies drafts, once")
+    p.add_argument("--proposer-time", action="store_true",
+                   help="add each proposal's own seconds, measured on this host, to its step (a per-row cost "
+                        "the cost model lacks; run on an idle host)")
     args = p.parse_args()
     import bench
     from transformers import AutoTokenizer
@@ -148,10 +170,10 @@ def main():
     for cat, texts in outputs.items():
         prompts = to_token_prompts(tok, groups[cat])
         answers = [tok.encode(t[0], add_special_tokens=False) for t in texts]
-        base = replay("plain", prompts, answers, args.batch_size, cost, params)
+        base = replay("plain", prompts, answers, args.batch_size, cost, params, args.proposer_time)
         line = f"{cat:11s}"
         for m in args.methods.split(","):
-            r = replay(m, prompts, answers, args.batch_size, cost, params)
+            r = replay(m, prompts, answers, args.batch_size, cost, params, args.proposer_time)
             line += f" | {m} {base['seconds'] / r['seconds']:.3f}x plain, tau {r['tau']:.2f}, " \
                     f"precision {r['precision']:.2f}"
         print(line, flush=True)

@@ -90,6 +90,9 @@ def test_goodput_replay_prices_steps_on_its_own_clock():
     la = replay.replay("lookahead", prompts, answers, 2, cheap, params)
     assert plain["tau"] == pytest.approx(1.0) and la["tau"] > 3 and la["seconds"] < plain["seconds"] / 2
     assert la["precision"] == 1.0
+    # --proposer-time: the same steps, each also charged the proposal's own (real) seconds
+    timed = replay.replay("plain", prompts, answers, 2, cheap, params, proposer_time=True)
+    assert timed["tau"] == plain["tau"] and timed["seconds"] > plain["seconds"]
 
 
 def test_interleave_memory_warning(tmp_path, capsys):

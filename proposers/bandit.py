@@ -299,7 +299,6 @@ class BanditTreeProposer(Proposer):
         #: candidates and their scores: the lookahead pool's tree form (its state per request)
         la = cfg.lookahead() if drafter is None else replace(cfg.lookahead(), shared_pool=0)   # the drafter drafts
         self.lookahead = LookaheadProposer(la, vocab_size=vocab_size)
-        self.lookahead.clock = clock         # its one-off seconds are subtracted from ours: one clock
         self.states = self.lookahead.states
         self.shapes, self.exploration, self.discount, self.scope = shapes, cfg.exploration, cfg.discount, cfg.scope
         self.row_gate = cfg.row_gate
@@ -309,7 +308,6 @@ class BanditTreeProposer(Proposer):
         if drafter is not None:
             from .mamba import MambaProposer
             self.mamba = MambaProposer(depth, drafter, max_requests)
-            self.mamba.clock = clock         # its one-off seconds are subtracted from ours: one clock
         self.once_s = 0.0                    # the drafter's one-off seconds in the last proposal
         self._allowed: dict[int, list[int]] = {}
         self.none_arm = self.shapes.index(()) if () in self.shapes else None
@@ -332,6 +330,17 @@ class BanditTreeProposer(Proposer):
         self.log_every, self.clock = log_every, clock
         #: `set_sync`: under tensor parallelism every rank uses rank 0's arms
         self.sync = None
+
+    # one clock for the bandit and its drafter: the drafter's one-off seconds are subtracted from ours
+    @property
+    def clock(self):
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock) -> None:
+        self._clock = self.lookahead.clock = clock
+        if self.mamba is not None:
+            self.mamba.clock = clock
 
     def set_sync(self, sync) -> None:
         self.sync = sync

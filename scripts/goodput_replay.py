@@ -100,9 +100,7 @@ def replay(method: str, prompts: list, answers: list, batch: int, cost: tuple, p
         prop.prompt_len = {f"r{j}": len(p) for j, p in enumerate(prompts)}
     else:
         prop = from_params({"method": method, **params}).build(BuildEnv(vocab_size=params.get("vocab_size")))
-        # the simulated clock for the proposer and every part that times itself (goodput's inner
-        # proposer, bandit_tree's lookahead and Mamba drafters)
-        for x in (prop, getattr(prop, "inner", None), getattr(prop, "lookahead", None), getattr(prop, "mamba", None)):
+        for x in (prop, getattr(prop, "inner", None)):   # goodput and what it wraps (which passes it on)
             if x is not None:
                 x.clock = clock
     if proposer_time:

@@ -154,7 +154,6 @@ class Goodput(Proposer):
         # moves the drafter's calibration too. Kept apart, the drafter stayed on where the cheap part
         # alone makes more, and `mamba` ran slower beside plain at batch 1 on every category.
         self._cal = [0.0, 0.0]
-        inner.clock = clock                      # its one-off seconds are subtracted from ours: one clock
         self.needs_target_argmax = inner.needs_target_argmax
         self.needs_hidden_states = inner.needs_hidden_states
         self.states = inner.states
@@ -568,6 +567,16 @@ class Goodput(Proposer):
                 keep[i] += 1
                 self.goodput_stats["explored"] += 1
         return keep
+
+    # one clock for goodput and the proposer it wraps: the proposer's one-off seconds are subtracted
+    # from the seconds goodput measures
+    @property
+    def clock(self):
+        return self.inner.clock
+
+    @clock.setter
+    def clock(self, clock) -> None:
+        self.inner.clock = clock
 
     def goodput_state(self) -> dict:
         """The cost fit, the learned global rates per class, and the drafter accounting."""

@@ -100,9 +100,7 @@ def replay(method: str, prompts: list, answers: list, batch: int, cost: tuple, p
         prop.prompt_len = {f"r{j}": len(p) for j, p in enumerate(prompts)}
     else:
         prop = from_params({"method": method, **params}).build(BuildEnv(vocab_size=params.get("vocab_size")))
-        for x in (prop, getattr(prop, "inner", None)):   # goodput and what it wraps (which passes it on)
-            if x is not None:
-                x.clock = clock
+        prop.clock = clock          # a proposer passes its clock on to what it wraps or drafts with
     if proposer_time:
         untimed = prop.propose
 

@@ -501,9 +501,9 @@ def _draft_price(cost: dict) -> dict[int, float]:
 
 
 def render_pays(results_dir: str = RESULTS_DIR) -> str:
-    """One row per result JSON that measured `--draft-cost`: the host, the price of verifying L
-    drafts (median over categories, x a plain step) and, per category, the fastest served default
-    of ours on a cold server against vLLM's `suffix`."""
+    """One row per result JSON that measured `--draft-cost`: the commit it ran, the host, the price
+    of verifying L drafts (median over categories, x a plain step) and, per category, the fastest
+    served default of ours on a cold server against vLLM's `suffix`."""
     import statistics
     rows, served = [], _served_methods()
     for path in result_files(results_dir):
@@ -524,13 +524,14 @@ def render_pays(results_dir: str = RESULTS_DIR) -> str:
         plain = statistics.mean(results["plain"][c].get("tokens_per_s", 0) for c in cats)
         name = os.path.splitext(os.path.basename(path))[0]
         model = _first(out.get("machine") or {}, "cpu_model") or NOT_RECORDED
-        rows.append([f"[`{name}`](#{name})", f"{host_class(out)} ({model})",
+        sha = ((out.get("git") or {}).get("sha") or "")[:7] or NOT_RECORDED
+        rows.append([f"[`{name}`](#{name})", f"`{sha}`", f"{host_class(out)} ({model})",
                      str(cfg.get("dtype")), str(cfg.get("batch_size")), f"{plain:.1f}",
                      " / ".join(f"{price[n]:.2f}x" for n in lengths) + f" (L = {', '.join(map(str, lengths))})",
                      "; ".join(best) or "plain only (a price-only run)"])
     if not rows:
         return "No result here measured `--draft-cost` yet."
-    head = ["run", "host", "dtype", "batch", "plain tok/s", "verifying L drafts costs (x a plain step)",
+    head = ["run", "code", "host", "dtype", "batch", "plain tok/s", "verifying L drafts costs (x a plain step)",
             "fastest of ours, cold, x plain"]
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
                      + ["| " + " | ".join(r) + " |" for r in rows])

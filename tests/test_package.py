@@ -186,6 +186,7 @@ def test_when_speculation_pays_from_draft_cost_runs(tmp_path):
     bench = load("bench")
     res = _synthetic_result(bench)
     res["machine"] |= {"cpu_model": "AMD EPYC 7B13", "cpu_flags": "fpu avx2 fma"}
+    res["git"] = {"sha": "0123456789abcdef"}
     res["draft_cost"] = {c: {"0": {"ms": 30.0, "x_no_draft": 1.0}, "1": {"ms": 47.0, "x_no_draft": x1},
                              "4": {"ms": 95.0, "x_no_draft": x4}}
                          for c, x1, x4 in (("chat", 1.5, 3.0), ("code", 1.7, 3.4))}
@@ -194,7 +195,8 @@ def test_when_speculation_pays_from_draft_cost_runs(tmp_path):
     (tmp_path / "no_cost.json").write_text(json.dumps(_synthetic_result(bench)))
     text = gen_docs.render_pays(str(tmp_path))
     rows = [r for r in text.splitlines() if r.startswith("| [")]
-    assert len(rows) == 1 and rows[0].startswith("| [`avx2`](#avx2) | avx2 (AMD EPYC 7B13) | bfloat16 | 8 | 45.0 |")
+    assert len(rows) == 1
+    assert rows[0].startswith("| [`avx2`](#avx2) | `0123456` | avx2 (AMD EPYC 7B13) | bfloat16 | 8 | 45.0 |")
     assert "1.60x / 3.20x (L = 1, 4)" in rows[0]
     assert "chat: 1.50x `lookahead` (`suffix` 0.90x); code: 1.10x `lookahead` (`suffix` 1.25x)" in rows[0]
 

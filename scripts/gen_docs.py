@@ -500,6 +500,11 @@ def _draft_price(cost: dict) -> dict[int, float]:
     return {n: statistics.median(r[str(n)]["x_no_draft"] for r in cost.values() if str(n) in r) for n in lengths}
 
 
+def _commit(out: dict) -> str:
+    """The short commit a result JSON's run measured."""
+    return ((out.get("git") or {}).get("sha") or "")[:7] or NOT_RECORDED
+
+
 def render_pays(results_dir: str = RESULTS_DIR) -> str:
     """One row per result JSON that measured `--draft-cost`: the commit it ran, the host, the price
     of verifying L drafts (median over categories, x a plain step) and, per category, the fastest
@@ -524,8 +529,7 @@ def render_pays(results_dir: str = RESULTS_DIR) -> str:
         plain = statistics.mean(results["plain"][c].get("tokens_per_s", 0) for c in cats)
         name = os.path.splitext(os.path.basename(path))[0]
         model = _first(out.get("machine") or {}, "cpu_model") or NOT_RECORDED
-        sha = ((out.get("git") or {}).get("sha") or "")[:7] or NOT_RECORDED
-        rows.append([f"[`{name}`](#{name})", f"`{sha}`", f"{host_class(out)} ({model})",
+        rows.append([f"[`{name}`](#{name})", f"`{_commit(out)}`", f"{host_class(out)} ({model})",
                      str(cfg.get("dtype")), str(cfg.get("batch_size")), f"{plain:.1f}",
                      " / ".join(f"{price[n]:.2f}x" for n in lengths) + f" (L = {', '.join(map(str, lengths))})",
                      "; ".join(best) or "plain only (a price-only run)"])
@@ -562,8 +566,7 @@ def render_served(results_dir: str = RESULTS_DIR) -> str:
         name = os.path.splitext(os.path.basename(path))[0]
         cap = " (capped)" if _isa_cap(out.get("machine") or {}) else ""
         n = cfg.get("n_prompts") or {}
-        sha = ((out.get("git") or {}).get("sha") or "")[:7] or NOT_RECORDED
-        cells = [f"[`{name}`](#{name})", f"`{sha}`", host_class(out) + cap, str(cfg.get("dtype")),
+        cells = [f"[`{name}`](#{name})", f"`{_commit(out)}`", host_class(out) + cap, str(cfg.get("dtype")),
                  str(cfg.get("batch_size")), " / ".join(str(n.get(c, "-")) for c in cats), " / ".join(apart) + "%"]
         for m in SERVED_TABLE:
             r = results[m]

@@ -242,7 +242,11 @@ async def drive(base: str, model: str, reqs: list[dict], concurrency: int, timeo
             bar.update(1)
             return res
     t0 = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+    # One connection per request: a pooled keep-alive connection the server has just closed (vLLM's
+    # VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s, is shorter than aiohttp's 15 s) fails the next request that
+    # picks it up with "Can not write request body", a client race that is not the server's failure.
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         out = await asyncio.gather(*(run(r) for r in reqs))
     bar.close()
     return list(out), time.perf_counter() - t0

@@ -8,13 +8,17 @@ iterations would add). A step costs `--step-ms` + `--token-ms` per token it runs
 a real one; with `--proposer-time` also the proposal's own seconds, measured here (Python
 lookups cost a model-free proposer of ours ~70 us a row at batch 8, which moves goodput's cut;
 arctic-inference's suffix tree costs a few). As in the plugin, no draft past a request's
-max_tokens is verified. A tuning tool for what drafts: no speed claim comes from it (`bench.py`
-makes those). Prompts are rebuilt from the run's own command line, answers re-tokenized from
-its text.
+max_tokens is verified. Each category is replayed on a fresh proposer; with `--sequence` one
+proposer serves them in turn, as bench.py's engines do, so state kept across requests (the
+shared n-gram table, goodput's rates, bandit tables) carries over: replay anything cross-request
+that way, a change that helps each category alone can hurt the next. A tuning tool for what
+drafts: no speed claim comes from it (`bench.py` makes those). Prompts are rebuilt from the
+run's own command line, answers re-tokenized from its text.
 
     python scripts/bench.py --prompts heldout --n-per-category 24 --methods plain --no-plain-rerun \\
         --dtype float32 --batch-size 8 --json out/heldout_plain.json
     python scripts/goodput_replay.py out/heldout_plain.json --batch-size 8 --methods suffix,lookahead
+    python scripts/goodput_replay.py out/heldout_plain.json --batch-size 8 --methods bandit_tree --sequence
 """
 import argparse
 import json
@@ -78,9 +82,12 @@ def suffix_proposer():
     return Suffix()
 
 
-def replay(method: str, prompts: list, answers: list, batch: int, cost: tuple, params: dict,
-           proposer_time: bool = False) -> dict:
-    """Serve `prompts` `batch` at a time through `method`, the target answering `answers`.
+def replay(method: str, sets: list, batch: int, cost: tuple, params: dict,
+           proposer_time: bool = False) -> list[dict]:
+    """Serve each (prompts, answers) of `sets` in turn, `batch` at a time, through one `method`
+    proposer (state shared across requests carries from one set to the next, as on a server that
+    serves them in that order), the target answering `answers`. Per set: its seconds, tau and the
+    fraction of drafted tokens accepted.
     `proposer_time`: each step also costs the proposer's own seconds, measured here (as a step of
     the plugin does, and as goodput measures them), not only the cost model's."""
     from vllm_spec_plugins.config import from_params
@@ -88,16 +95,16 @@ def replay(method: str, prompts: list, answers: list, batch: int, cost: tuple, p
     from vllm_spec_plugins.proposers.testing import ToyEngine
 
     table = {}
-    for p, a in zip(prompts, answers):
-        for i in range(len(a)):
-            table[tuple(p) + tuple(a[:i])] = a[i]
+    for prompts, answers in sets:
+        for p, a in zip(prompts, answers):
+            for i in range(len(a)):
+                table[tuple(p) + tuple(a[:i])] = a[i]
     clock = Clock()
     if method == "plain":
         prop = Proposer(1)
         prop.propose = lambda ctx: [[] for _ in ctx.requests]
     elif method == "suffix":
         prop = suffix_proposer()
-        prop.prompt_len = {f"r{j}": len(p) for j, p in enumerate(prompts)}
     else:
         prop = from_params({"method": method, **params}).build(BuildEnv(vocab_size=params.get("vocab_size")))
         prop.clock = clock          # a proposer passes its clock on to what it wraps or drafts with
@@ -112,26 +119,33 @@ def replay(method: str, prompts: list, answers: list, batch: int, cost: tuple, p
                 clock.t, clock.live = clock(), None
         prop.propose = timed
     eng = ToyEngine(prop, lambda prefix: table.get(prefix, hash(prefix) % 40000 + 5000))
-    queue = list(enumerate(zip(prompts, answers)))
     step_s, token_s, jump_s = cost
-    drafted = 0
-    while queue or eng.reqs:
-        while queue and len(eng.reqs) < batch:
-            j, (p, a) = queue.pop(0)
-            eng.add(f"r{j}", p, len(a))
-        n = sum(len(r.drafts or []) for r in eng.reqs.values())
-        drafted += n
-        clock.t += step_s + token_s * (len(eng.reqs) + n) + (jump_s if n else 0.0)
-        eng.step()
-        for r in eng.reqs.values():     # as the plugin: no draft past max_tokens is verified
-            if isinstance(r.drafts, list):
-                r.drafts = r.drafts[:max(r.max_tokens - len(r.out) - 1, 0)]
-    for rid, r in eng.done.items():
-        assert r.out == answers[int(rid[1:])][:len(r.out)], f"{method}: {rid} differs from plain"
-    steps = sum(r.steps for r in eng.done.values())
-    accepted = sum(sum(r.accepted) for r in eng.done.values())
-    return {"seconds": clock.t, "tau": sum(map(len, answers)) / max(steps, 1),
-            "precision": accepted / max(drafted, 1)}
+    out = []
+    for s, (prompts, answers) in enumerate(sets):
+        ids = [f"s{s}r{j}" for j in range(len(prompts))]
+        if method == "suffix":
+            prop.prompt_len.update({rid: len(p) for rid, p in zip(ids, prompts)})
+        queue = list(zip(ids, prompts, answers))
+        t0, drafted = clock.t, 0
+        while queue or eng.reqs:
+            while queue and len(eng.reqs) < batch:
+                rid, p, a = queue.pop(0)
+                eng.add(rid, p, len(a))
+            n = sum(len(r.drafts or []) for r in eng.reqs.values())
+            drafted += n
+            clock.t += step_s + token_s * (len(eng.reqs) + n) + (jump_s if n else 0.0)
+            eng.step()
+            for r in eng.reqs.values():     # as the plugin: no draft past max_tokens is verified
+                if isinstance(r.drafts, list):
+                    r.drafts = r.drafts[:max(r.max_tokens - len(r.out) - 1, 0)]
+        done = [eng.done[rid] for rid in ids]
+        for rid, r, a in zip(ids, done, answers):
+            assert r.out == a[:len(r.out)], f"{method}: {rid} differs from plain"
+        steps = sum(r.steps for r in done)
+        accepted = sum(sum(r.accepted) for r in done)
+        out.append({"seconds": clock.t - t0, "tau": sum(map(len, answers)) / max(steps, 1),
+                    "precision": accepted / max(drafted, 1)})
+    return out
 
 
 def main():
@@ -143,6 +157,10 @@ def main():
     p.add_argument("--step-ms", type=float, default=73.5, help="a step's fixed cost")
     p.add_argument("--token-ms", type=float, default=3.0, help="per token a step runs")
     p.add_argument("--jump-ms", type=float, default=10.0, help="a step that verifies drafts, once")
+    p.add_argument("--sequence", action="store_true",
+                   help="one proposer per method serves the categories in turn (as bench.py's engines do), so "
+                        "what it learns across requests carries from one category to the next; default: a fresh "
+                        "proposer per category")
     p.add_argument("--proposer-time", action="store_true",
                    help="add each proposal's own seconds, measured on this host, to its step (a per-row cost "
                         "the cost model lacks; run on an idle host)")
@@ -163,17 +181,21 @@ def main():
     cost = (args.step_ms / 1000, args.token_ms / 1000, args.jump_ms / 1000)
     params = {"vocab_size": len(tok), **json.loads(args.config)}
     print(f"batch {args.batch_size}; step {args.step_ms} ms + {args.token_ms} ms/token + {args.jump_ms} ms jump")
-    for cat, texts in outputs.items():
-        prompts = to_token_prompts(tok, groups[cat])
-        answers = [tok.encode(t[0], add_special_tokens=False) for t in texts]
-        base = replay("plain", prompts, answers, args.batch_size, cost, params, args.proposer_time)
-        line = f"{cat:11s}"
-        for m in args.methods.split(","):
-            r = replay(m, prompts, answers, args.batch_size, cost, params, args.proposer_time)
-            line += f" | {m} {base['seconds'] / r['seconds']:.3f}x plain, tau {r['tau']:.2f}, " \
-                    f"precision {r['precision']:.2f}"
-        print(line, flush=True)
+    cats = list(outputs)
+    sets = [(to_token_prompts(tok, groups[c]), [tok.encode(t[0], add_special_tokens=False) for t in outputs[c]])
+            for c in cats]
 
+    def run(method):     # per category: its result
+        if args.sequence:
+            return replay(method, sets, args.batch_size, cost, params, args.proposer_time)
+        return [replay(method, [x], args.batch_size, cost, params, args.proposer_time)[0] for x in sets]
+    base = run("plain")
+    lines = [f"{c:11s}" for c in cats]
+    for m in args.methods.split(","):
+        for i, r in enumerate(run(m)):
+            lines[i] += f" | {m} {base[i]['seconds'] / r['seconds']:.3f}x plain, tau {r['tau']:.2f}, " \
+                        f"precision {r['precision']:.2f}"
+    print("\n".join(lines), flush=True)
 
 if __name__ == "__main__":
     main()

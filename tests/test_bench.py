@@ -86,13 +86,28 @@ def test_goodput_replay_prices_steps_on_its_own_clock():
     answers = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 6, [20, 21, 22, 23, 24, 25] * 8]
     params = {"vocab_size": 100}
     cheap = (0.05, 0.001, 0.002)
-    plain = replay.replay("plain", prompts, answers, 2, cheap, params)
-    la = replay.replay("lookahead", prompts, answers, 2, cheap, params)
+    [plain] = replay.replay("plain", [(prompts, answers)], 2, cheap, params)
+    [la] = replay.replay("lookahead", [(prompts, answers)], 2, cheap, params)
     assert plain["tau"] == pytest.approx(1.0) and la["tau"] > 3 and la["seconds"] < plain["seconds"] / 2
     assert la["precision"] == 1.0
     # --proposer-time: the same steps, each also charged the proposal's own (real) seconds
-    timed = replay.replay("plain", prompts, answers, 2, cheap, params, proposer_time=True)
+    [timed] = replay.replay("plain", [(prompts, answers)], 2, cheap, params, proposer_time=True)
     assert timed["tau"] == plain["tau"] and timed["seconds"] > plain["seconds"]
+
+
+def test_goodput_replay_sequence_carries_state_across_sets():
+    """--sequence: one proposer serves the sets in turn. A second set whose answer repeats the
+    first set's answer (not its own prompt) drafts from the shared pool only when it follows the
+    first on the same proposer."""
+    replay = load("goodput_replay")
+    text = [30 + (7 * i) % 50 for i in range(40)]            # no token repeats within 8 of itself
+    first = ([[1, 2, 3]], [text])
+    second = ([[4, 3, 2, 1]], [text])
+    params = {"vocab_size": 100}
+    cheap = (0.05, 0.001, 0.002)
+    [alone] = replay.replay("lookahead", [second], 1, cheap, params)
+    after = replay.replay("lookahead", [first, second], 1, cheap, params)
+    assert len(after) == 2 and after[1]["tau"] > alone["tau"] + 1
 
 
 def test_interleave_memory_warning(tmp_path, capsys):

@@ -189,6 +189,7 @@ def main():
         if args.sequence:
             return replay(method, sets, args.batch_size, cost, params, args.proposer_time)
         return [replay(method, [x], args.batch_size, cost, params, args.proposer_time)[0] for x in sets]
+
     base = run("plain")
     lines = [f"{c:11s}" for c in cats]
     for m in args.methods.split(","):
@@ -196,6 +197,7 @@ def main():
             lines[i] += f" | {m} {base[i]['seconds'] / r['seconds']:.3f}x plain, tau {r['tau']:.2f}, " \
                         f"precision {r['precision']:.2f}"
     print("\n".join(lines), flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -100,7 +100,7 @@ def test_goodput_replay_sequence_carries_state_across_sets():
     first set's answer (not its own prompt) drafts from the shared pool only when it follows the
     first on the same proposer."""
     replay = load("goodput_replay")
-    text = [30 + (7 * i) % 50 for i in range(40)]            # no token repeats within 8 of itself
+    text = [30 + (7 * i) % 50 for i in range(40)]            # 40 distinct tokens: no match in itself
     first = ([[1, 2, 3]], [text])
     second = ([[4, 3, 2, 1]], [text])
     params = {"vocab_size": 100}

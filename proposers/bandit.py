@@ -7,7 +7,9 @@ its own probabilities; its state rolls back through per-depth snapshots as for a
 scores every candidate node with its estimated probability of acceptance. A shape `widths`
 keeps, best first, at most `widths[d]` nodes at depth d+1 (`shaped_tree`). The family of shapes
 (`shape_family`) runs from no speculation at all, through plain chains, to wide-then-narrow
-trees within the node budget.
+trees within the node budget. With the lookahead pool a chain arm drafts `lookahead`'s chain
+form and cuts it per token as `goodput` does (`_chain_keep`): one chain, as deep as the deepest
+shape, stands for every depth, since the cut sets each row's length from its tokens' chances.
 
 The bandit is discounted UCB (Garivier & Moulines 2011) over that family, one table per
 context = (traffic key, batch-size bucket). An arm's value is tokens per second per request
@@ -36,14 +38,14 @@ at batch 32 on a CPU "no speculation" wins, that is the back-off) and in the tab
 bucket starts from the token counts and cost ratios of the nearest one: acceptance does not
 depend on the batch, the ratios little).
 One shape serves every row of a step, but rows differ: a chat row whose candidates are weak
-beside a code row that repeats its prompt. With `row_gate`, a node whose chance of acceptance is
-not above `node_price` (what one more verified node costs, in tokens, at the step's rate:
-goodput's rule per token) is left out of every shape, and a row with no such node drafts nothing
-that step; every `GATE_EXPLORE`-th step (rows in turn) a row drafts its arm's whole shape anyway,
-so the rates of classes under the price stay measured (they change only where their nodes are
-verified). Without it every arm is priced with rows and nodes that cannot pay, and a
-whole-tree rule (a row drafts its arm's whole tree where the tree's summed chances pay for its
-nodes) still verifies the tail nodes that do not.
+beside a code row that repeats its prompt. With `row_gate`, a tree's node whose chance of
+acceptance is not above `node_price` (what one more verified node costs, in tokens, at the
+step's rate: goodput's rule per token) is left out of every shape, and a row with no such node
+drafts nothing that step; every `GATE_EXPLORE`-th step (rows in turn) a row drafts its arm's
+whole shape anyway, so the rates of classes under the price stay measured (they change only
+where their nodes are verified). Without it every arm is priced with rows and nodes that cannot
+pay, and a whole-tree rule (a row drafts its arm's whole tree where the tree's summed chances
+pay for its nodes) still verifies the tail nodes that do not.
 """
 from __future__ import annotations
 
@@ -55,19 +57,22 @@ from dataclasses import dataclass, replace
 
 from .base import BuildEnv, MethodConfig, Proposer, RequestStep, StepContext, check_prompt_lookup, key
 from .cost import StepCost, batch_bucket, continues, mean_context, step_features
+from .goodput import AcceptModel
 from .lookahead import SHARED_POOL_HELP, LookaheadConfig, LookaheadProposer, _select, shaped_tree
 
 logger = logging.getLogger("vllm_spec_plugins")
 
-def shape_family(max_depth: int, max_width: int, node_budget: int, backoff: bool = True) -> list[tuple]:
-    """No speculation (if `backoff`), chains of depth 1, 2, 4, ... max_depth, and for each depth
-    >= 2 a tree whose first level is max_width wide (narrower if needed to fit `node_budget`),
-    halving per level (at least 1). Small on purpose (8 arms for 6/4/16): every arm costs
-    exploration."""
+def shape_family(max_depth: int, max_width: int, node_budget: int, backoff: bool = True,
+                 ladder: bool = True) -> list[tuple]:
+    """No speculation (if `backoff`), chains of depth 1, 2, 4, ... max_depth (`ladder`; else the
+    chain of depth max_depth alone: a drafter whose chains are cut per token needs no other),
+    and for each depth >= 2 a tree whose first level is max_width wide (narrower if needed to
+    fit `node_budget`), halving per level (at least 1). Small on purpose (8 arms for 6/4/16, 5
+    without the ladder): every arm costs exploration."""
     depths = sorted({d for d in (1, 2, 4, 8, 16, 32) if d < max_depth} | {max_depth})
     out: list[tuple] = [()] if backoff else []
     for d in depths:
-        for w in (1, max_width) if d > 1 else (1,):
+        for w in ((1,) if ladder or d == max_depth else ()) + ((max_width,) if d > 1 else ()):
             s = tuple(max(w >> j, 1) for j in range(d))
             while sum(s) > node_budget and w > 1:
                 w -= 1
@@ -224,7 +229,9 @@ class BanditTreeConfig(MethodConfig):
         return self.node_budget or self.num_speculative_tokens
 
     def family(self) -> list[tuple]:
-        shapes = self.shapes or shape_family(self.max_depth, self.max_width, self.budget, self.backoff)
+        # the lookahead pool's chains are cut per token (`_chain_keep`): one chain arm serves all depths
+        shapes = self.shapes or shape_family(self.max_depth, self.max_width, self.budget, self.backoff,
+                                             ladder=self.drafter != "lookahead")
         return [tuple(w) for w in shapes]
 
     def check(self) -> None:
@@ -328,8 +335,21 @@ class BanditTreeProposer(Proposer):
         self.draft_seconds = 0.0
         self.history: deque = deque(maxlen=history)   # (step, key, bucket, arm, reward)
         self.log_every, self.clock = log_every, clock
-        #: `set_sync`: under tensor parallelism every rank uses rank 0's arms
+        #: `set_sync`: under tensor parallelism every rank uses rank 0's arms, node price and cuts
         self.sync = None
+        #: with the lookahead pool, chain arms (widths all 1) draft its chain form, each token
+        #: classed by where it came from; `accept` learns the classes' rates as `goodput` does and
+        #: `_chain_keep` keeps what pays. Against chains of 1, 2, 4 and 6 tokens taken from the
+        #: tree form's best path and cut by its per-request node scores, replayed over the
+        #: held-out split (`scripts/goodput_replay.py`, four request orders, an AVX-512 bf16
+        #: host's cost model): batch 8 2.8% faster (chat 1.4%, code 1.7%, summaries 5.9%), batch 1
+        #: within 0.2%
+        self.chain_arms = {i for i, sh in enumerate(self.shapes) if sh and max(sh) == 1} if drafter is None else set()
+        self.accept = AcceptModel(LookaheadProposer.class_prior)
+        self.sent: dict[str, list[int]] = {}     # req id -> classes of the chain it drafted last step
+        #: req id -> each token's chance of acceptance in the chain a chain arm would have drafted
+        #: last step (`_counterfactual`)
+        self.reach: dict[str, list[float]] = {}
 
     # one clock for the bandit and its drafter: the drafter's one-off seconds are subtracted from ours
     @property
@@ -367,6 +387,8 @@ class BanditTreeProposer(Proposer):
 
     def release(self, req_id: str) -> None:
         self.lookahead.release(req_id)
+        self.accept.release(req_id)
+        self.sent.pop(req_id, None)
         self.subsets.pop(req_id, None)
         if self.mamba is not None:
             self.mamba.release(req_id)
@@ -385,11 +407,12 @@ class BanditTreeProposer(Proposer):
     def allowed(self, bucket: int) -> list[int]:
         """Arms whose nodes fit the batch's share of `batch_node_budget` (at least the smallest
         arms): at large batches every draft token costs real compute, and exploring a 16-node
-        tree for 32 requests costs more than it can teach."""
+        tree for 32 requests costs more than it can teach. A chain cut per token (`chain_arms`)
+        always fits: it keeps only the tokens that pay at the batch's price."""
         a = self._allowed.get(bucket)
         if a is None:
             cap = max(self.batch_node_budget // bucket, 1)
-            a = [i for i, s in enumerate(self.shapes) if sum(s) <= cap]
+            a = [i for i, s in enumerate(self.shapes) if sum(s) <= cap or i in self.chain_arms]
             if not a:
                 least = min(sum(s) for s in self.shapes)
                 a = [i for i, s in enumerate(self.shapes) if sum(s) == least]
@@ -424,6 +447,10 @@ class BanditTreeProposer(Proposer):
     #: batch 8 (six request orders), every 8th step cost chat ~5% against no exploration, every
     #: 64th ~1% (within the orders' spread)
     GATE_EXPLORE = 64
+
+    #: every CHAIN_EXPLORE-th step, one chain row (in turn) keeps one token past its cut, so the
+    #: classes under the price stay measured (`Goodput.explore_every`)
+    CHAIN_EXPLORE = 4
 
     #: steps over which an arm's nodes per request are averaged before an EMA of this memory takes
     #: over. The shape's size stands in until its first step: rows cut to the nodes that pay draft
@@ -466,7 +493,12 @@ class BanditTreeProposer(Proposer):
                 timing = (min(max(seconds, pred / 3), 3 * pred), self.cost.features(**f))
             if not self.pending or self._reward(live, seconds, timing):
                 self.cost.observe(seconds=seconds, **f)
-        self.pending, self.subsets = {}, {}
+        for r in live:                    # the chains verified: their classes learn
+            cls = self.sent.get(r.req_id)
+            if cls and r.drafts and r.tree_parents is None:
+                self.accept.observe(r.req_id, cls[:len(r.drafts)], min(r.num_accepted, len(r.drafts)))
+        self.sent = {}
+        self.pending, self.subsets, self.reach = {}, {}, {}
         while len(self.tables) > self.MAX_TABLES:      # rewards are in: the least recently used go
             self.tables.popitem(last=False)
         bucket = batch_bucket(len(live))
@@ -486,6 +518,8 @@ class BanditTreeProposer(Proposer):
         cands = None
         once0 = self._once_total()
         node_price = self.node_price(len(live)) if self.row_gate else 0.0
+        if self.sync is not None:      # priced from measured time: rank 0's, or the ranks' trees differ
+            node_price = self.sync(node_price)
         if self.mamba is not None:      # one batched drafter pass for the rows whose arm drafts
             pull = {i: self.shapes[arms[self.key_of(r)]] for i, r in enumerate(ctx.requests) if r.sampled and k}
             pull = {i: s for i, s in pull.items() if s}
@@ -495,6 +529,8 @@ class BanditTreeProposer(Proposer):
             cands = self.mamba.draft_tree(ctx, pull, min(max(map(len, pull.values()), default=0), k), wide)
         out: list = []
         drafted: dict[int, list[int]] = {}
+        chains: list[tuple] = []       # (row, request, arm, draft, classes): the chain arms' rows, cut below
+        unpulled: list[tuple] = []     # the same for greedy rows whose arm is a tree
         for i, req in enumerate(ctx.requests):
             la = self.lookahead
             st = la.states.get(req.req_id)
@@ -518,12 +554,22 @@ class BanditTreeProposer(Proposer):
             if not shape:
                 out.append([])
                 continue
+            if arm in self.chain_arms:
+                chains.append((i, req, arm, *la.chain_draft(st, req, min(len(shape), k))))
+                out.append([])
+                continue
             subs: dict[int, frozenset] = {}
             wider: dict[int, list] = {}
-            also = {a: self.shapes[a] for a in self.allowed(bucket) if a != arm and self.shapes[a]}
+            # (a chain arm drafts the chain form, not the tree's best path: not a subset)
+            also = {a: self.shapes[a] for a in self.allowed(bucket)
+                    if a != arm and self.shapes[a] and a not in self.chain_arms}
             cut = node_price if (self.steps + i) % self.GATE_EXPLORE else 0.0
             if cands is None:
                 tree = la.propose_tree(st, req, k, list(shape), also, subs, cut)
+                if req.greedy and self.chain_arms:   # what a chain arm would have drafted: `greedy_tokens`
+                    a = min(self.chain_arms, key=lambda a: -len(self.shapes[a]))
+                    if a in self.allowed(bucket):
+                        unpulled.append((i, req, a, *la.chain_draft(st, req, min(len(self.shapes[a]), k))))
             else:
                 toks, pars, score = cands[i]
                 # best first, parents first (scores fall along a path): those that pay
@@ -539,6 +585,35 @@ class BanditTreeProposer(Proposer):
             if len(tree):
                 self.subsets[req.req_id] = (len(tree), tree.is_chain, subs, wider)
             out.append(tree)
+        nodes = sum(map(len, out))
+        if unpulled:     # a chain arm's outcome in a greedy step: its chain as the cut would keep it
+            # had every row pulled it (no tree nodes in the step)
+            keep = self._chain_keep(unpulled, len(live), 0, explore=False)
+            glob = self.accept.global_rate()
+            for i, req, a, d, cls in unpulled:
+                rec = self.subsets.get(req.req_id)
+                if rec is not None:
+                    rec[3][a] = [(j, d[j], j - 1) for j in range(keep[i])]
+                    rate, p, reach = self.accept.rates(req.req_id, glob).tolist(), 1.0, []
+                    for c in cls[:keep[i]]:
+                        p *= rate[c]
+                        reach.append(p)
+                    self.reach[req.req_id] = reach
+        if chains:
+            keep = self._chain_keep(chains, len(live), nodes)
+            if self.sync is not None:
+                keep = self.sync(keep)
+            for i, req, arm, d, cls in chains:
+                m = keep[i]
+                out[i] = d[:m]
+                drafted.setdefault(arm, []).append(m)
+                if m:
+                    self.sent[req.req_id] = cls[:m]
+                    # another chain arm would have kept the same tokens, up to its depth (where the
+                    # cut, not this arm's depth, ended this chain)
+                    subs = {a: frozenset(range(min(len(self.shapes[a]), m))) for a in self.chain_arms
+                            if a != arm and (len(self.shapes[a]) <= len(self.shapes[arm]) or m < len(d))}
+                    self.subsets[req.req_id] = (m, True, subs, {})
         self.once_s = self._once_total() - once0
         for arm, v in drafted.items():   # a mean over an arm's first steps, then an EMA
             self.node_steps[arm] = min(self.node_steps[arm] + 1, self.NODE_MEMORY)
@@ -549,6 +624,45 @@ class BanditTreeProposer(Proposer):
         if self.log_every and self.steps % self.log_every == 0:
             logger.info("vllm-spec-plugins bandit_tree: %s", self.describe())
         return out
+
+    def _chain_keep(self, chains: list, n: int, nodes: int, explore: bool = True) -> dict[int, int]:
+        """Tokens kept of each chain arm's draft (row -> count), as `Goodput._allocate` cuts: over
+        those rows, best chance of acceptance first (a token's p: the product of its own and its
+        ancestors' class rates, `accept`), a token is kept while p > b * R at the step's rate, the
+        other rows' `nodes` tree nodes priced in the step; none where the kept tokens do not cover
+        the step's jump. `explore`: every `CHAIN_EXPLORE`-th step one row (in turn) keeps one token
+        more. Before any step is measured one row keeps its whole chain (it measures every
+        depth's classes at once); without `row_gate`, every chain is kept whole."""
+        keep = dict.fromkeys((c[0] for c in chains), 0)
+        fit = self.cost.fit(max(n, 1), self.context)
+        if fit is None:
+            keep[chains[0][0]] = len(chains[0][3])
+            return keep
+        if not self.row_gate:
+            return {i: len(d) for i, _, _, d, _ in chains}
+        a, b, jump = fit
+        glob = self.accept.global_rate()
+        items = []
+        for i, req, _, d, cls in chains:
+            rate, p = self.accept.rates(req.req_id, glob).tolist(), 1.0
+            for j, c in enumerate(cls):
+                p *= rate[c]
+                items.append((-p, j, i))
+        items.sort()
+        made, extra = float(n), 0
+        for neg_p, _, i in items:
+            if -neg_p * (a + b * (n + nodes + extra) + jump) <= b * made:
+                break
+            keep[i] += 1
+            made -= neg_p
+            extra += 1
+        if not nodes and (made - n) * (a + b * n) <= n * (b * extra + jump):
+            return dict.fromkeys(keep, 0)
+        if explore and extra and self.CHAIN_EXPLORE and self.steps % self.CHAIN_EXPLORE == 0:
+            rows = [i for i, _, _, d, _ in chains if keep[i] < len(d)]
+            if rows:
+                keep[rows[(self.steps // self.CHAIN_EXPLORE) % len(rows)]] += 1
+        return keep
 
     def _reward(self, live: list[RequestStep], seconds: float, timing: tuple | None) -> bool:
         """Tokens per request of last step's arms (and of the arms whose outcome is known), and
@@ -588,6 +702,12 @@ class BanditTreeProposer(Proposer):
             return out
         for a, nodes in rec[3].items():
             t = greedy_tokens(nodes, r.sampled)
+            if t is None and a in self.chain_arms:
+                # a chain arm's chain agrees with every token the step made and goes on: those,
+                # the tokens past them it is expected to have had accepted, and one (dropping the
+                # outcome would keep exactly its best steps out of its mean)
+                reach, n = self.reach.get(r.req_id, ()), len(r.sampled)
+                t = n + 1 + (sum(reach[n:]) / reach[n - 1] if len(reach) > n else 0.0)
             if t is not None:
                 out[a] = t
         if r.tree_parents is not None:

@@ -386,14 +386,20 @@ class LookaheadProposer(Proposer):
     def propose_one(self, st: _State, req: RequestStep, k: int) -> "list[int] | DraftTree":
         if self.tree and req.tree_ok:
             return self.propose_tree(st, req, k)
+        drafts, self._classes = self.chain_draft(st, req, k)
+        return drafts
+
+    def chain_draft(self, st: _State, req: RequestStep, k: int) -> tuple[list[int], list[int]]:
+        """The chain form's draft of up to k tokens (the chain, then the Jacobi window's guesses
+        past it, cut before any token outside the vocabulary) and each token's class
+        (`class_prior`'s, for `Goodput`)."""
         chain, srcs, starts = self._classed_chain(st, req.token_ids, k)
-        drafts = chain + st.window[len(chain):min(self.window, k)]
-        self._classes = self._token_classes(srcs, starts, len(chain), len(drafts))
+        drafts = (chain + st.window[len(chain):min(self.window, k)])[:k]
+        classes = self._token_classes(srcs, starts, len(chain), len(drafts))
         if self.vocab_size is not None:
-            for i, x in enumerate(drafts):
-                if not 0 <= x < self.vocab_size:
-                    return drafts[:i]
-        return drafts[:k]
+            bad = next((i for i, x in enumerate(drafts) if not 0 <= x < self.vocab_size), len(drafts))
+            drafts, classes = drafts[:bad], classes[:bad]
+        return drafts, classes
 
     def chain(self, st: _State, t: np.ndarray, k: int) -> list[int]:
         """The chain form's chain over text `t`, without the Jacobi window (a cascade's level 0)."""

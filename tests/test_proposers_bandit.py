@@ -30,6 +30,8 @@ def test_shape_family():
     assert len(set(fam)) == len(fam)
     assert all(sum(s) <= 16 and list(s) == sorted(s, reverse=True) for s in fam)
     assert () not in shape_family(6, 4, 16, backoff=False)
+    # chains cut per token: the deepest chain alone stands for every depth
+    assert shape_family(6, 4, 16, ladder=False) == [s for s in fam if max(s, default=2) > 1 or len(s) == 6]
     small = shape_family(8, 8, 8)
     assert all(sum(s) <= 8 for s in small) and (1,) * 8 in small and (8, 4) not in small and (5, 2) in small
     assert shape_name(()) == "none" and shape_name((4, 2, 1)) == "4-2-1"
@@ -87,7 +89,7 @@ def test_shaped_tree_respects_widths_and_is_lossless():
 
         def spy(ctx, orig=orig):
             out = orig(ctx)
-            seen.extend(d for d in out if hasattr(d, "parents"))
+            seen.extend(d for d in out if len(d))
             return out
         p.propose = spy
         prompt = np.random.default_rng(1).integers(0, V, 24).tolist()
@@ -96,8 +98,10 @@ def test_shaped_tree_respects_widths_and_is_lossless():
             eng.step()
         assert eng.done["r"].out == greedy(f, prompt, 200)
         assert seen
+        # a chain arm drafts a chain (lookahead's chain form, cut per token)
+        assert all(hasattr(t, "parents") != (max(shape) == 1) for t in seen)
         for t in seen:
-            counts = depth_counts(list(t.parents))
+            counts = depth_counts(list(t.parents)) if hasattr(t, "parents") else [1] * len(t)
             assert len(counts) <= len(shape) and all(c <= w for c, w in zip(counts, shape)), (shape, counts)
         if shape[0] > 1:
             assert max(depth_counts(list(t.parents))[0] for t in seen) > 1   # it does branch
@@ -275,8 +279,9 @@ def test_bandit_speculates_when_cheap_and_backs_off_when_costly():
                 or (type(x) in (list, tuple) and all(map(plain, x)))
                 or (type(x) is dict and all(map(plain, x.values()))))
     assert plain(p.inspect()), p.inspect()
-    # at batch 32 only shapes within batch_node_budget / 32 = 2 nodes are ever tried
-    assert [p.shapes[a] for a in p.allowed(32)] == [(), (1,), (1, 1)]
+    # at batch 32 only shapes within batch_node_budget / 32 = 2 nodes are ever tried, and the
+    # chain, cut per token at the batch's price
+    assert [p.shapes[a] for a in p.allowed(32)] == [(), (1,) * 6]
 
 
 def test_bandit_matches_best_fixed_shape_in_hindsight():
@@ -290,7 +295,7 @@ def test_bandit_matches_best_fixed_shape_in_hindsight():
         clock = CostClock(1.0, 0.005)     # one clock for the bandit and its lookahead drafter
         eng = run_bandit(BanditTreeProposer(cfg, clock=clock, vocab_size=50), clock, f, prompts, 1200)
         return sum(len(r.out) for r in eng.done.values()) / sum(r.steps for r in eng.done.values()), clock.t
-    fixed = {s: run(BanditTreeConfig(16, shapes=[list(s)])) for s in shape_family(6, 4, 16)}
+    fixed = {s: run(BanditTreeConfig(16, shapes=[list(s)])) for s in shape_family(6, 4, 16)}   # every depth
     tau, seconds = run(BanditTreeConfig(16))
     assert tau > 2.5, (tau, fixed)          # it speculates deep (fixed: none 1.0, depth 2 <= 2.6)
     assert seconds <= 1.05 * min(sec for _, sec in fixed.values()), (seconds, fixed)
@@ -340,7 +345,7 @@ def test_served_defaults_are_the_config_defaults():
     assert validate({"method": "bandit_tree"}) == BanditTreeConfig()
     p = BanditTreeProposer(BanditTreeConfig())
     assert (p.k, p.lookahead.tree_nodes, p.lookahead.window, p.lookahead.ngram) == (16, 16, 6, 4)
-    assert p.shapes == shape_family(6, 4, 16) and p.lookahead.shared.cap == 65536
+    assert p.shapes == shape_family(6, 4, 16, ladder=False) and p.lookahead.shared.cap == 65536
 
 
 def test_side_observations_are_exact_for_sub_shapes():
@@ -374,6 +379,41 @@ def test_side_observations_are_exact_for_sub_shapes():
     assert t2.tok[0] / t2.ntok[0] == 1.0
     assert t2.tok[1] / t2.ntok[1] == pytest.approx(np.mean([min(a, 1) + 1 for a in acc]), rel=0.02)
     assert t2.tok[2] / t2.ntok[2] == pytest.approx(np.mean([a + 1 for a in acc]), rel=0.02)
+
+
+def test_a_chain_arm_learns_from_tree_steps():
+    """With the lookahead pool a chain arm drafts lookahead's chain form, not a tree's best path:
+    no tree contains it. In a greedy step its outcome is still known from the tokens the step
+    made, so a chain arm that is never pulled is measured: its side observations match what its
+    chains would have made, counted against the reference output."""
+    f = pair_table_target(50, 3, 0.1, branching=3)
+    prompt = np.random.default_rng(5).integers(0, 50, 24).tolist()
+    ref = greedy(f, prompt, 300)
+    p = BanditTreeProposer(BanditTreeConfig(8, shapes=[[], [1, 1, 1, 1], [2, 1, 1, 1]], discount=1.0,
+                                            row_gate=False), clock=CostClock(1.0, 0.01), vocab_size=50)
+    assert p.chain_arms == {1}
+    table = p.table(("global", 1))
+    table.choose = lambda price, allowed=None, w=None: 2    # always pull the tree
+    exact = []
+    orig = p.propose
+
+    def spy(ctx):
+        out = orig(ctx)
+        rec = p.subsets.get("r")
+        if rec is not None and 1 in rec[3]:
+            done = len(ctx.requests[0].token_ids) - len(prompt)
+            chain = [tok for _, tok, _ in rec[3][1]]
+            n = next((j for j, x in enumerate(chain) if x != ref[done + j]), len(chain))
+            exact.append(n + 1)
+        return out
+    p.propose = spy
+    eng = ToyEngine(p, f, vocab_size=50)
+    eng.add("r", prompt, 300)
+    while eng.reqs:
+        p.clock.charge(eng.step())
+    assert eng.done["r"].out == ref
+    assert table.pulls[1] == 0 and table.ntok[1] > 50
+    assert table.tok[1] / table.ntok[1] == pytest.approx(np.mean(exact[:-1]), rel=0.03)
 
 
 def test_bandit_learns_under_continuous_traffic():

@@ -1,7 +1,7 @@
-"""Tensor parallel 2 over `mp` on this CPU, each of our methods: the parameters reach both
-workers, both ranks build the same drafts (bandit_tree: rank 0's arm choices are broadcast, since
-they depend on measured time), and the output equals plain vLLM's. On the tiny test model:
-SmolLM2-135M's 9 attention heads do not split over 2 ranks."""
+"""Tensor parallel 2 over `mp` on this CPU, each of our methods: the parameters reach both workers,
+both ranks build the same drafts (bandit_tree: rank 0's arm choices, node price and chain cuts are
+broadcast, since they depend on measured time), and the output equals plain vLLM's. On the tiny test
+model: SmolLM2-135M's 9 attention heads do not split over 2 ranks."""
 import os
 import shutil
 import tempfile

@@ -57,7 +57,7 @@ from dataclasses import dataclass, replace
 
 from .base import BuildEnv, MethodConfig, Proposer, RequestStep, StepContext, check_prompt_lookup, key
 from .cost import StepCost, batch_bucket, continues, mean_context, step_features
-from .goodput import AcceptModel
+from .goodput import AcceptModel, chances, price_cut
 from .lookahead import SHARED_POOL_HELP, LookaheadConfig, LookaheadProposer, _select, shaped_tree
 
 logger = logging.getLogger("vllm_spec_plugins")
@@ -531,6 +531,8 @@ class BanditTreeProposer(Proposer):
         drafted: dict[int, list[int]] = {}
         chains: list[tuple] = []       # (row, request, arm, draft, classes): the chain arms' rows, cut below
         unpulled: list[tuple] = []     # the same for greedy rows whose arm is a tree
+        deepest = max((a for a in self.chain_arms if a in self.allowed(bucket)),
+                      key=lambda a: len(self.shapes[a]), default=None)
         for i, req in enumerate(ctx.requests):
             la = self.lookahead
             st = la.states.get(req.req_id)
@@ -566,10 +568,8 @@ class BanditTreeProposer(Proposer):
             cut = node_price if (self.steps + i) % self.GATE_EXPLORE else 0.0
             if cands is None:
                 tree = la.propose_tree(st, req, k, list(shape), also, subs, cut)
-                if req.greedy and self.chain_arms:   # what a chain arm would have drafted: `greedy_tokens`
-                    a = min(self.chain_arms, key=lambda a: -len(self.shapes[a]))
-                    if a in self.allowed(bucket):
-                        unpulled.append((i, req, a, *la.chain_draft(st, req, min(len(self.shapes[a]), k))))
+                if req.greedy and deepest is not None:   # what a chain arm would have drafted: `greedy_tokens`
+                    unpulled.append((i, req, deepest, *la.chain_draft(st, req, min(len(self.shapes[deepest]), k))))
             else:
                 toks, pars, score = cands[i]
                 # best first, parents first (scores fall along a path): those that pay
@@ -588,19 +588,14 @@ class BanditTreeProposer(Proposer):
         nodes = sum(map(len, out))
         if unpulled:     # a chain arm's outcome in a greedy step: its chain as the cut would keep it
             # had every row pulled it (no tree nodes in the step)
-            keep = self._chain_keep(unpulled, len(live), 0, explore=False)
-            glob = self.accept.global_rate()
-            for i, req, a, d, cls in unpulled:
+            keep, reach = self._chain_keep(unpulled, len(live), 0, explore=False)
+            for i, req, a, d, _ in unpulled:
                 rec = self.subsets.get(req.req_id)
                 if rec is not None:
                     rec[3][a] = [(j, d[j], j - 1) for j in range(keep[i])]
-                    rate, p, reach = self.accept.rates(req.req_id, glob).tolist(), 1.0, []
-                    for c in cls[:keep[i]]:
-                        p *= rate[c]
-                        reach.append(p)
-                    self.reach[req.req_id] = reach
+                    self.reach[req.req_id] = reach[i][:keep[i]]
         if chains:
-            keep = self._chain_keep(chains, len(live), nodes)
+            keep, _ = self._chain_keep(chains, len(live), nodes)
             if self.sync is not None:
                 keep = self.sync(keep)
             for i, req, arm, d, cls in chains:
@@ -625,44 +620,34 @@ class BanditTreeProposer(Proposer):
             logger.info("vllm-spec-plugins bandit_tree: %s", self.describe())
         return out
 
-    def _chain_keep(self, chains: list, n: int, nodes: int, explore: bool = True) -> dict[int, int]:
-        """Tokens kept of each chain arm's draft (row -> count), as `Goodput._allocate` cuts: over
-        those rows, best chance of acceptance first (a token's p: the product of its own and its
-        ancestors' class rates, `accept`), a token is kept while p > b * R at the step's rate, the
-        other rows' `nodes` tree nodes priced in the step; none where the kept tokens do not cover
-        the step's jump. `explore`: every `CHAIN_EXPLORE`-th step one row (in turn) keeps one token
-        more. Before any step is measured one row keeps its whole chain (it measures every
-        depth's classes at once); without `row_gate`, every chain is kept whole."""
-        keep = dict.fromkeys((c[0] for c in chains), 0)
+    def _chain_keep(self, chains: list, n: int, nodes: int, explore: bool = True) -> tuple[dict, dict]:
+        """Tokens kept of each chain arm's draft (row -> count), cut as `Goodput._allocate` cuts
+        (`price_cut`; a token's chance of acceptance from `accept`'s class rates), the other rows'
+        `nodes` tree nodes priced in the step; none where the kept tokens do not cover the step's
+        jump. `explore`: every `CHAIN_EXPLORE`-th step one row (in turn) keeps one token more.
+        Before any step is measured one row keeps its whole chain (it measures every depth's
+        classes at once); without `row_gate`, every chain is kept whole. Also each row's chances
+        along its draft (row -> list)."""
+        glob = self.accept.global_rate()
+        reach = {i: chances(self.accept.rates(req.req_id, glob).tolist(), cls) for i, req, _, _, cls in chains}
+        keep = dict.fromkeys(reach, 0)
         fit = self.cost.fit(max(n, 1), self.context)
         if fit is None:
             keep[chains[0][0]] = len(chains[0][3])
-            return keep
+            return keep, reach
         if not self.row_gate:
-            return {i: len(d) for i, _, _, d, _ in chains}
+            return {i: len(d) for i, _, _, d, _ in chains}, reach
         a, b, jump = fit
-        glob = self.accept.global_rate()
-        items = []
-        for i, req, _, d, cls in chains:
-            rate, p = self.accept.rates(req.req_id, glob).tolist(), 1.0
-            for j, c in enumerate(cls):
-                p *= rate[c]
-                items.append((-p, j, i))
-        items.sort()
-        made, extra = float(n), 0
-        for neg_p, _, i in items:
-            if -neg_p * (a + b * (n + nodes + extra) + jump) <= b * made:
-                break
-            keep[i] += 1
-            made -= neg_p
-            extra += 1
+        made, extra = price_cut([(-p, j, i) for i, ps in reach.items() for j, p in enumerate(ps)],
+                                keep, n, a, b, jump, nodes)
+        extra -= nodes
         if not nodes and (made - n) * (a + b * n) <= n * (b * extra + jump):
-            return dict.fromkeys(keep, 0)
+            return dict.fromkeys(keep, 0), reach
         if explore and extra and self.CHAIN_EXPLORE and self.steps % self.CHAIN_EXPLORE == 0:
             rows = [i for i, _, _, d, _ in chains if keep[i] < len(d)]
             if rows:
                 keep[rows[(self.steps // self.CHAIN_EXPLORE) % len(rows)]] += 1
-        return keep
+        return keep, reach
 
     def _reward(self, live: list[RequestStep], seconds: float, timing: tuple | None) -> bool:
         """Tokens per request of last step's arms (and of the arms whose outcome is known), and

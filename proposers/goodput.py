@@ -133,6 +133,35 @@ def _cuttable(req, drafts) -> bool:
     return bool(len(drafts)) and req.tree_ok and not isinstance(drafts, DraftTree)
 
 
+def chances(rate: list[float], classes) -> list[float]:
+    """Each token's chance of acceptance along a chain: the product of its own and its
+    ancestors' class rates."""
+    out, p = [], 1.0
+    for c in classes:
+        p *= rate[c]
+        out.append(p)
+    return out
+
+
+def price_cut(items: list, keep, n: int, a: float, b: float, jump: float, extra: int = 0) -> tuple[float, int]:
+    """Goodput's cut: over `items` (-p, depth, row), best p first, a token is kept
+    (`keep[row] += 1`) while p > b * R, R = tokens the step makes (n rows + the kept tokens'
+    chances) over its predicted seconds a + b * (n + extra) + jump, `extra` the verified tokens
+    so far (`extra` to start with: priced already). p falls along a chain (rates <= 1), so what
+    is kept is a prefix of every chain. Returns (tokens the step is expected to make, `extra`
+    at the end)."""
+    items.sort()
+    made = float(n)
+    for neg_p, _, i in items:
+        p = -neg_p
+        if p * (a + b * (n + extra) + jump) <= b * made:     # p <= b * R: this and all after lose
+            break
+        keep[i] += 1
+        made += p
+        extra += 1
+    return made, extra
+
+
 def generic_classes(n: int) -> list[int]:
     """Classes by depth alone, for proposers that give none."""
     return [min(j, DEPTHS - 1) for j in range(n)]
@@ -529,9 +558,7 @@ class Goodput(Proposer):
             if not _cuttable(req, d):
                 continue
             rate = self._row_rates.get(req.req_id) or self.accept.rates(req.req_id, self.accept.global_rate()).tolist()
-            p = 1.0
-            for j, cl in enumerate(c[:len(d)]):
-                p *= rate[cl]
+            for j, p in enumerate(chances(rate, c[:len(d)])):
                 items.append((-p, j, i))
                 if j < len(reach):
                     reach[j] += p
@@ -544,18 +571,9 @@ class Goodput(Proposer):
             return keep
         self._reach = [x / max(rows, 1) for x in reach] + [0.0] * (depth - len(reach))   # mean per depth (`_depth`)
         a, b, jump = self.cost.fit(n, self.context)
-        # Best p first; ties go to the shallower token, then to the earlier row. p falls along a
-        # chain (rates <= 1), so what is kept is a prefix of every chain. Only the head of the
-        # order is walked: the cut stops at the first token that does not pay.
-        items.sort()
-        made, extra = float(n), 0
-        for neg_p, _, i in items:
-            p = -neg_p
-            if p * (a + b * (n + extra) + jump) <= b * made:     # p <= b * R: this and all after lose
-                break
-            keep[i] += 1
-            made += p
-            extra += 1
+        # Best p first; ties go to the shallower token, then to the earlier row. Only the head of
+        # the order is walked: the cut stops at the first token that does not pay.
+        made, extra = price_cut(items, keep, n, a, b, jump)
         if (made - n) * (a + b * n) <= n * (b * extra + jump):   # drafting at all does not pay
             return [0] * len(drafts)
         self._last_gain = made - n

@@ -207,6 +207,55 @@ def test_incremental_prompt_lookup_matches_ngram_lookup():
         assert got == ngram_lookup(t[:L], 5, 1, 3), L
 
 
+def test_a_text_match_drafts_the_longest_matchs_most_frequent_continuation():
+    """As suffix decoding: of the occurrences of the last 3 tokens, those that agree with the text
+    over the most tokens, and among them the continuation most of them take, token by token
+    (ties: the latest occurrence's). A brute force over the text agrees at every length."""
+    p = LookaheadProposer(LookaheadConfig(4, shared_pool=0))
+
+    def draft(text):
+        t = np.array(text)
+        st = p.new_state(RequestStep("r", t, [], []))
+        p._index_text(st, t, "r")
+        return p.classed_chain(st, t, 4)[0]
+
+    # the latest "1 2 3" agrees over 3 tokens, an older one over 4 ("9 1 2 3"): the older one's
+    # continuation
+    assert draft([9, 1, 2, 3, 40, 41, 8, 1, 2, 3, 50, 51, 9, 1, 2, 3])[:2] == [40, 41]
+    # all three agree over 3 tokens: two go on with 40, then 41 and 42 tie: the latest, 42
+    assert draft([7, 1, 2, 3, 40, 41, 6, 1, 2, 3, 40, 42, 5, 1, 2, 3, 50, 51, 4, 1, 2, 3])[:2] == [40, 42]
+
+    def brute(text, r):
+        """Over the latest `OCCURRENCES` occurrences of the last 3 tokens."""
+        occ = [pos for pos in range(3, len(text)) if text[pos - 3:pos] == text[-3:]][-p.OCCURRENCES:]
+        agree = {}
+        for pos in occ:
+            n = 3
+            while n < min(pos, p.MATCH_DEPTH) and text[pos - n - 1] == text[-n - 1]:
+                n += 1
+            agree[pos] = n
+        conts = [text[pos:pos + r] for pos in occ if agree[pos] == max(agree.values())]
+        out = []
+        for j in range(r):
+            votes = [c[j] for c in conts if len(c) > j and c[:j] == out]
+            if not votes:
+                break
+            out.append(max(reversed(votes), key=votes.count))
+        return out
+
+    rng = np.random.default_rng(1)
+    checked = 0
+    for _ in range(300):
+        text = rng.integers(0, 3, int(rng.integers(8, 80))).tolist()
+        t = np.array(text)
+        st = p.new_state(RequestStep("r", t, [], []))
+        p._index_text(st, t, "r")
+        got, _ = p._lookup(st, t, text[-3:], 4, 3, text[-p.MATCH_DEPTH:])
+        assert got == brute(text, 4), text
+        checked += bool(got)
+    assert checked > 100
+
+
 def test_a_text_match_is_classed_by_how_far_it_agrees():
     """A chain copied from where the text agrees with the context over `LONG_MATCH` tokens or more
     carries source 5's classes (`Goodput` learns a rate for it: suffix decoding's match length,

@@ -428,7 +428,7 @@ class LookaheadProposer(Proposer):
         """Classes of n drafts whose first m are the chain (for `Goodput`): the tree form's (source,
         continuation, depth) scheme, the window tail as source 3, the shared pool's tokens 4 (7 / 8
         where agreed / contested, `SURE`), a long text match's 5, a short match's tokens past its
-        agreement 6, text matches and pool n-grams the shared pool agrees with 9 and 10."""
+        agreement 6."""
         D, first = self._DEPTHS, set(starts) | {m}
         return [(2 * (srcs[j] if j < m else 3) + (j not in first)) * D + min(j, D - 1) for j in range(n)]
 
@@ -464,15 +464,6 @@ class LookaheadProposer(Proposer):
     CONTESTED = 0.5
     SHARED_SOURCES = (4, 7, 8)   # every source `_shared_source` gives
 
-    #: a text match (source 0) or pool n-gram (source 1) whose first token is also the shared
-    #: pool's most counted next token (over all requests' text, this one's included) is a class of
-    #: its own (9, 10): two sources agreeing. Replayed over the held-out split at batch 8, such
-    #: a first token was accepted 0.63-0.71 / 0.31-0.57 of the time, others 0.32-0.43 / 0.14-0.21.
-    #: Priced at their own rates, replayed (an AVX-512 bf16 host's cost model) against one class
-    #: for both: batch 8 (four request orders) -0.2% chat, -1.7% code, -0.9% summaries time
-    #: (`bandit_tree` +0.4% in all, inside its orders' spread); batch 1 (two orders) within 0.4%.
-    CORROBORATED = {0: 9, 1: 10}
-
     def _shared_source(self, hit: tuple[int, int, int]) -> int:
         _, count, total = hit
         if total >= self.SURE[0] and count >= self.SURE[1] * total:
@@ -484,10 +475,9 @@ class LookaheadProposer(Proposer):
         """The chain form's candidate: `_extend` repeated up to k tokens. `srcs`, if given,
         receives each token's source (0: prompt lookup, >= 2 tokens of context; 1: pool; 2:
         1-token prompt lookup; 4, 7, 8: the shared pool; 5: prompt lookup agreeing over `LONG_MATCH`
-        tokens; 6: a shorter match's tokens past its agreement; 9, 10: sources 0, 1 where the
-        shared pool agrees, `CORROBORATED`); `starts` the index where each extension begins.
-        `matches`: measure each text match's agreement and the shared pool's (sources 5, 6, 9,
-        10): the chain form's drafts."""
+        tokens; 6: a shorter match's tokens past its agreement); `starts` the index where each
+        extension begins. `matches`: measure each text match's agreement (sources 5 and 6): the
+        chain form's drafts."""
         chain: list[int] = []
         back = t[-self.MATCH_DEPTH:].tolist() if matches else None
         while len(chain) < k:
@@ -506,8 +496,7 @@ class LookaheadProposer(Proposer):
         Jacobi/text pool, the shared pool (1 token of context), its own text (1 token). The
         shared pool gives one token per call, so the request's own text is tried again after it.
         `back`: the last `MATCH_DEPTH` tokens before the extension (text and chain so far); with
-        it a text match's agreement sets its classes (sources 5 and 6), and the shared pool's
-        agreement with a text match or a pool n-gram theirs (`CORROBORATED`)."""
+        it a text match's agreement sets its classes (sources 5 and 6)."""
         ext, agree = self._lookup(st, t, ctx, r, max(self.pl_min, 2), back)   # >= 2 tokens of context
         src, shared, over = 0, self.shared, 0
         if ext and back is not None:
@@ -525,10 +514,6 @@ class LookaheadProposer(Proposer):
                 ext, src = [hit[0]], self._shared_source(hit)
             elif self.pl_min == 1:
                 ext, src = self._lookup(st, t, ctx, r, 1)[0], 2
-        if ext and back is not None and src in self.CORROBORATED and shared is not None:
-            hit = shared.best(ctx, 1, len(ctx), st.tenant)
-            if hit is not None and hit[0] == ext[0]:
-                src = self.CORROBORATED[src]
         if srcs is not None:
             srcs += [src] * (len(ext) - over) + [6] * over
         return ext
@@ -604,12 +589,12 @@ class LookaheadProposer(Proposer):
     #: prior rate of each chain-form token class (`Goodput`): index (2 * source + continuation) * D + depth
     #: (sources 0..3 as the tree form's, 4: the shared pool, 5: a text match over `LONG_MATCH` tokens,
     #: 6: a shorter match's tokens past its agreement, 7 / 8: the shared pool's agreed / contested
-    #: tokens, `SURE`, 9 / 10: a text match / pool n-gram the shared pool agrees with, `CORROBORATED`)
-    _CHAIN_PRIOR = _PRIOR[:4] + ((0.4, 0.6), (0.9, 0.9), (0.1, 0.3), (0.7, 0.8), (0.2, 0.3), (0.8, 0.9), (0.5, 0.6))
+    #: tokens, `SURE`)
+    _CHAIN_PRIOR = _PRIOR[:4] + ((0.4, 0.6), (0.9, 0.9), (0.1, 0.3), (0.7, 0.8), (0.2, 0.3))
     class_prior = np.repeat(np.array(_CHAIN_PRIOR).ravel(), _DEPTHS)
     #: the chain-form sources past the tree's own (0..2) that a tree's chain carries: they keep
     #: their classes in the tree, after the tree's other candidates (`_tree_source`)
-    _CHAIN_ONLY = (4, 5, 6, 7, 8, 9, 10)
+    _CHAIN_ONLY = (4, 5, 6, 7, 8)
 
     def _tree_source(self, src: int) -> int:
         """The tree's source of a chain-form token of source `src`: the tree's sources 0..2 are

@@ -18,7 +18,8 @@ argmax at every verified position, which is one Jacobi iteration of whatever we 
   tokens; positions the chain does not cover carry the Jacobi window's current guesses, so the
   window keeps iterating.
 
-All per-step work is O(k * ngram + new tokens); memory per request is bounded by `pool_cap`.
+All per-step work is O(k * (ngram + OCCURRENCES * MATCH_DEPTH) + new tokens); memory per request
+is bounded by `pool_cap`.
 
 Full form (`tree=True`, Fu et al. 2024 section 3): where the engine can verify a draft tree for
 a request (`req.tree_ok`; else the chain form's chain), each step drafts one `DraftTree` of at
@@ -173,9 +174,10 @@ class _State:
         self.tenant = tenant      # the shared pool's key: drafts see only their tenant's text
         self.pool = NGramPool(p.ngram, p.pool_cap, p.guesses)
         self.index: OrderedDict[tuple, int] = OrderedDict()  # prompt lookup: n-gram -> next pos
-        # per n-gram length m: next pos -> the next pos of the m-gram's occurrence before (-1: none),
-        # a ring over the last pool_cap positions (the chain form's text match votes over them)
-        self.before = [array("i", [-1]) * p.pool_cap for _ in range(p.pl_min, p.pl_max + 1)]
+        # per n-gram length m >= vote_min: next pos -> the next pos of the m-gram's occurrence
+        # before (-1: none), a ring over the last pool_cap positions (the chain form's text match
+        # votes over them)
+        self.before = [array("i", [-1]) * p.pool_cap for _ in range(p.vote_min, p.pl_max + 1)]
         self.seen = 0             # tokens of token_ids already indexed
         self.window: list[int] = []  # Jacobi guesses for positions start, start+1, ...
         self.start = 0
@@ -255,6 +257,7 @@ class LookaheadProposer(Proposer):
         self.tree, self.tree_nodes = cfg.tree, cfg.tree_nodes or k
         self.window, self.ngram, self.guesses, self.pool_cap = cfg.window or k, cfg.ngram, cfg.guesses, cfg.pool_cap
         self.pl_min, self.pl_max = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+        self.vote_min = max(self.pl_min, 2)     # the chain form's text match: >= 2 tokens of context
         self.vocab_size = vocab_size
         self.shared = SharedPool(self.ngram, cfg.shared_pool) if cfg.shared_pool else None
         # req id -> tokens of its text the shared pool has taken: a preempted request comes back
@@ -344,14 +347,16 @@ class LookaheadProposer(Proposer):
         st.seen = max(st.seen, L - self.pool_cap)
         s0 = max(st.seen - max(n, self.pl_max), 0)
         seg = t[s0:L].tolist()
-        idx, cap, ring = st.index, self.pool_cap * (self.pl_max - self.pl_min + 1), self.pool_cap
+        idx, cap, ring, vm = st.index, self.pool_cap * (self.pl_max - self.pl_min + 1), self.pool_cap, self.vote_min
         for i in range(max(st.seen, 1), L):  # token i is new
             j = i - s0
             if j + 1 >= n:
                 st.pool.add(tuple(seg[j + 1 - n: j + 1]))
             for m in range(self.pl_min, min(self.pl_max, i) + 1):  # m-gram ending at i-1 -> i
                 key = tuple(seg[j - m: j])
-                st.before[m - self.pl_min][i % ring] = idx.pop(key, -1)
+                last = idx.pop(key, -1)
+                if m >= vm:
+                    st.before[m - vm][i % ring] = last
                 idx[key] = i
             while len(idx) > cap:
                 idx.popitem(last=False)
@@ -497,7 +502,7 @@ class LookaheadProposer(Proposer):
         shared pool gives one token per call, so the request's own text is tried again after it.
         `back`: the last `MATCH_DEPTH` tokens before the extension (text and chain so far); with
         it a text match's agreement sets its classes (sources 5 and 6)."""
-        ext, agree = self._lookup(st, t, ctx, r, max(self.pl_min, 2), back)   # >= 2 tokens of context
+        ext, agree = self._lookup(st, t, ctx, r, self.vote_min, back)   # >= 2 tokens of context
         src, shared, over = 0, self.shared, 0
         if ext and back is not None:
             if agree >= self.LONG_MATCH:
@@ -521,19 +526,20 @@ class LookaheadProposer(Proposer):
     def _lookup(self, st: _State, t: np.ndarray, ctx: list[int], r: int, lo: int,
                 back: list[int] | None = None) -> tuple[list[int], int]:
         """Prompt lookup of the last lo..`prompt_lookup_max` tokens of ctx (longest first) via the
-        incremental index. Without `back`: the continuation of the latest occurrence, as
-        `ngram_lookup`, and 0. With it (the text and chain so far, ending with ctx), as suffix
-        decoding drafts from its suffix tree: of the occurrences, those whose text agrees with
-        `back` over the most tokens (the longest match), and their most frequent continuation,
-        token by token (ties: the latest occurrence's); and over how many tokens they agree."""
+        incremental index. Without `back` (or for a match under `vote_min` tokens): the
+        continuation of the latest occurrence, as `ngram_lookup`, and 0. With it (the text and
+        chain so far, ending with ctx), as suffix decoding drafts from its suffix tree: of the
+        occurrences, those whose text agrees with `back` over the most tokens (the longest
+        match), and their most frequent continuation, token by token (ties: the latest
+        occurrence's); and over how many tokens they agree."""
         L, ring = len(t), self.pool_cap
         for m in range(min(self.pl_max, len(ctx)), lo - 1, -1):
             pos = st.index.get(tuple(ctx[-m:]))
             if pos is None:
                 continue
-            if back is None:
+            if back is None or m < self.vote_min:
                 return t[pos:pos + r].tolist(), 0
-            before, best, top = st.before[m - self.pl_min], -1, []
+            before, best, top = st.before[m - self.vote_min], -1, []
             for _ in range(self.OCCURRENCES):     # latest first
                 n = m
                 while n < len(back) and pos - n - 1 >= 0 and t.item(pos - n - 1) == back[-n - 1]:

@@ -72,6 +72,12 @@ from .cost import StepCost, batch_bucket, continues, mean_context, step_features
 #: depth index of the generic classes (a proposer without classes of its own): min(depth, DEPTHS) - 1
 DEPTHS = 4
 
+#: every SHADOW_EVERY-th step where no draft can pay, a lookup (`depth_free`) still drafts one
+#: token for each greedy row, cut unverified (`observe_greedy`): the rates it is priced by keep
+#: following the text, and drafting resumes when the text starts to repeat. `bandit_tree` shadows
+#: its chain arm as often while "no speculation" is pulled.
+SHADOW_EVERY = 4
+
 
 class AcceptModel:
     """P(token accepted | its parent accepted) per token class: global decayed counts over a
@@ -143,6 +149,22 @@ def chances(rate: list[float], classes) -> list[float]:
     return out
 
 
+def observe_greedy(accept: AcceptModel, r, chain: list[int], classes: list[int]) -> None:
+    """What a greedy row `r` tells `accept` about `chain` (drafted for it last step, `classes`
+    one per token), verified or not: the tokens the step made are the target's argmax
+    continuation, so the chain would have been accepted as far as it matches them. Past its
+    verified drafts that is one token more per row and step measured for free (the first token
+    past a cut, where every kept one was accepted), and a chain drafted but not handed out at all
+    is measured as one that was."""
+    made, j = r.sampled, 0
+    while j < len(chain) and j < len(made) and chain[j] == made[j]:
+        j += 1
+    if j < len(chain) and j < len(made):       # rejected at j
+        accept.observe(r.req_id, classes[:j + 1], j)
+    else:                                      # accepted as far as the step's tokens tell
+        accept.observe(r.req_id, classes[:j], j)
+
+
 def price_cut(items: list, keep, n: int, a: float, b: float, jump: float, extra: int = 0) -> tuple[float, int]:
     """Goodput's cut: over `items` (-p, depth, row), best p first, a token is kept
     (`keep[row] += 1`) while p > b * R, R = tokens the step makes (n rows + the kept tokens'
@@ -190,6 +212,7 @@ class Goodput(Proposer):
         self.accept = AcceptModel(prior if prior is not None else np.full(DEPTHS, 0.3))
         self.cost = StepCost()
         self.sent: dict[str, list[int]] = {}     # req id -> classes of the drafts handed out last step
+        self.chain: dict[str, list[int]] = {}    # greedy req id -> drafts handed out + the first cut one
         self.last_end: float | None = None
         self._ids: set = set()                   # request ids of the last step (`continues`)
         self.buckets: dict[int, dict] = {}       # batch bucket -> drafter accounting (EMAs)
@@ -218,6 +241,7 @@ class Goodput(Proposer):
         self.inner.release(req_id)
         self.accept.release(req_id)
         self.sent.pop(req_id, None)
+        self.chain.pop(req_id, None)
 
     # ---- drafting on/off ------------------------------------------------------------------
     def _bucket(self, b: int) -> dict:
@@ -393,6 +417,7 @@ class Goodput(Proposer):
         for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
             self.accept.release(rid)
             self.sent.pop(rid, None)
+            self.chain.pop(rid, None)
         live = [i for i, r in enumerate(ctx.requests) if r.sampled]
         self._ids, timed = continues(self._ids, ctx.requests)
         if self.last_end is not None and timed:
@@ -402,10 +427,12 @@ class Goodput(Proposer):
             r = ctx.requests[i]
             cls = self.sent.pop(r.req_id, None)
             if r.drafts:
-                a = min(r.num_accepted, len(r.drafts))
-                realized += a
-                if cls:                         # a chain we cut: its classes learn
-                    self.accept.observe(r.req_id, cls[:len(r.drafts)], a)
+                realized += min(r.num_accepted, len(r.drafts))
+            chain = self.chain.pop(r.req_id, None)
+            if chain is not None:               # a greedy row's chain: the step's tokens score it
+                observe_greedy(self.accept, r, chain, cls)
+            elif cls and r.drafts:              # a chain we cut: its verified classes learn
+                self.accept.observe(r.req_id, cls[:len(r.drafts)], min(r.num_accepted, len(r.drafts)))
         self.goodput_stats["accepted"] += realized
         if self._pending is not None:        # what last step's cut expected, against what it made
             self._cal = [0.99 * self._cal[0] + realized, 0.99 * self._cal[1] + self._pending]
@@ -444,6 +471,9 @@ class Goodput(Proposer):
                                for i in rows if ctx.requests[i].sampled}
             depth = self._reachable(self.cost.fit(n, self.context), n, budget if fallback else
                                     self._depth(bucket, n, budget))
+            if (not depth and self.inner.depth_free and self.steps % SHADOW_EVERY == 0
+                    and any(ctx.requests[i].greedy for i in rows)):
+                depth = 1             # for `observe_greedy` alone: `_allocate` keeps none of it
         if self.sync is not None:
             depth = self.sync(depth)
         ran = {r.req_id for r in sub.requests if r.sampled} if depth and not fallback else set()
@@ -468,8 +498,12 @@ class Goodput(Proposer):
                 out[i] = d
                 continue
             out[i] = list(d[:m])
-            if m:
-                self.sent[ctx.requests[i].req_id] = list(c[:m])
+            req = ctx.requests[i]
+            if req.greedy and _cuttable(req, d):    # and the first token cut: `observe_greedy`
+                self.sent[req.req_id] = list(c[:m + 1])
+                self.chain[req.req_id] = [int(x) for x in d[:m + 1]]
+            elif m:
+                self.sent[req.req_id] = list(c[:m])
         if n:
             self.history.append((self.steps, n, sum(len(d) for d in drafted) if drafts else 0,
                                  sum(kept), self._threshold if drafts else None))

@@ -532,10 +532,30 @@ def test_a_cheap_proposer_is_asked_no_deeper_than_the_cut_can_keep(monkeypatch):
             assert not any(prop.inner.asked[4:]), prop.inner.asked[:8]
 
 
+class FlakyLookup(Flaky):
+    depth_free = True           # a lookup: its chain's length costs next to nothing
+
+
+def test_where_no_draft_can_pay_a_lookup_still_measures_its_first_token():
+    """Where a verified token costs about what a row's step does (batch 8), no draft can pay and
+    none is verified. A lookup is still asked for one token per greedy row every
+    `SHADOW_EVERY`-th step, and cut: the tokens the step makes tell whether it would have been
+    accepted (`observe_greedy`), so its class's rate follows the text for free (here the first
+    token is wrong at every fifth position: 0.8), and drafting could resume where the text turns
+    predictable. Without that, the class is measured only on the cold server's first step."""
+    prop, steps = run(lambda refs, _: FlakyLookup(16, refs, every=5), 8, 200, fixed=1.0, per_token=1.0)
+    st = prop.goodput_stats
+    assert st["kept"] <= 16 + st["explored"], st      # the blind first step's chain: nothing after it
+    assert max(steps.values()) >= 199
+    assert prop.accept.tries[0] > 30 and abs(prop.accept.global_rate()[0] - 0.8) < 0.04, \
+        (prop.accept.tries, prop.accept.global_rate())
+    assert max(prop.inner.asked[4:]) == 1 and sum(map(bool, prop.inner.asked)) < len(prop.inner.asked) / 3
+
+
 def test_lookahead_under_goodput_is_exact_and_frees_state():
     prop, _ = run(lambda refs, _: LookaheadProposer(LookaheadConfig(4), vocab_size=V), 6, 150, fixed=10.0,
                   per_token=1.0, target=lambda t: (t[-1] * 7 + (t[-2] if len(t) > 1 else 0)) % 50)
-    assert prop.inner.states == {} and prop.accept.req == {} and prop.sent == {}
+    assert prop.inner.states == {} and prop.accept.req == {} and prop.sent == {} and prop.chain == {}
     assert prop.goodput_stats["kept"] > 0
 
 

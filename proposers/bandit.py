@@ -33,6 +33,10 @@ discounted:
   discount (effective memory 1/(1-discount) steps) forgets, and the bonus of a forgotten arm
   grows back, so it is re-tried;
 * deterministic given the observations, cheap (a loop over ~10 arms per step), no host sync.
+An arm is scored without being pulled where the step's tokens tell what it would have made: a
+sub-tree of the verified tree, "no speculation", and, in greedy steps, the chain arm (drafted
+unverified beside a tree, and every `SHADOW_EVERY`-th step of "no speculation"), so a chain arm
+is taken up again when the text starts to repeat.
 The batch size is context twice: in the price (the cost of a draft token grows with the batch:
 at batch 32 on a CPU "no speculation" wins, that is the back-off) and in the table (a new batch
 bucket starts from the token counts and cost ratios of the nearest one: acceptance does not
@@ -57,7 +61,7 @@ from dataclasses import dataclass, replace
 
 from .base import BuildEnv, MethodConfig, Proposer, RequestStep, StepContext, check_prompt_lookup, key
 from .cost import StepCost, batch_bucket, continues, mean_context, step_features
-from .goodput import AcceptModel, chances, price_cut
+from .goodput import SHADOW_EVERY, AcceptModel, chances, observe_greedy, price_cut
 from .lookahead import SHARED_POOL_HELP, LookaheadConfig, LookaheadProposer, _select, shaped_tree
 
 logger = logging.getLogger("vllm_spec_plugins")
@@ -329,6 +333,12 @@ class BanditTreeProposer(Proposer):
         # nodes an arm drafts per request (its price): the shape's size until its first step, then
         # measured (`NODE_MEMORY`)
         self.nodes = [float(sum(sh)) for sh in self.shapes]
+        # share of an arm's steps that verified any draft (they alone pay the cost fit's jump):
+        # every step until its first, then measured as `nodes` is. Priced with the jump on every
+        # pull, a chain arm whose cut keeps nothing (most chat steps at batch 8) was priced as
+        # dear as a drafting one (the jump: ~10% of a batch-8 step on a 2-core CPU) and the
+        # bandit stayed on "no speculation" through whole categories that repeat their prompt
+        self.drafting = [1.0 if sh else 0.0 for sh in self.shapes]
         self.node_steps = [0] * len(self.shapes)
         self.context = 0.0                   # mean context length of the last step's decoding rows
         self.steps = 0
@@ -346,7 +356,10 @@ class BanditTreeProposer(Proposer):
         #: within 0.2%
         self.chain_arms = {i for i, sh in enumerate(self.shapes) if sh and max(sh) == 1} if drafter is None else set()
         self.accept = AcceptModel(LookaheadProposer.class_prior)
-        self.sent: dict[str, list[int]] = {}     # req id -> classes of the chain it drafted last step
+        #: req id -> (classes, tokens) of the chain drafted for it last step: what was handed out
+        #: (tokens None) or, for a greedy row, that and the first token cut, or a chain arm's
+        #: chain beside another arm (`observe_greedy`)
+        self.sent: dict[str, tuple[list[int], list[int] | None]] = {}
         #: req id -> each token's chance of acceptance in the chain a chain arm would have drafted
         #: last step (`_counterfactual`)
         self.reach: dict[str, list[float]] = {}
@@ -435,12 +448,13 @@ class BanditTreeProposer(Proposer):
 
     def price(self, n: int) -> list[float]:
         """Predicted seconds of a step of `n` decoding requests, at the last step's mean context
-        length, with each arm (1.0 for all before any step was measured)."""
+        length, with each arm (1.0 for all before any step was measured); the jump weighs as
+        much as the share of the arm's steps that verified drafts (`drafting`)."""
         fit = self.cost.fit(max(n, 1), self.context)
         if fit is None:
             return [1.0] * len(self.shapes)
         a, b, jump = fit
-        return [a + b * n * (1 + self.nodes[i]) + (jump if sh else 0.0) for i, sh in enumerate(self.shapes)]
+        return [a + b * n * (1 + self.nodes[i]) + jump * self.drafting[i] for i in range(len(self.shapes))]
 
     #: a row drafts its arm's whole shape, cut or not, every GATE_EXPLORE-th step (rows in turn):
     #: a class's rate changes only where its nodes are verified. Replayed over the held-out split at
@@ -493,9 +507,11 @@ class BanditTreeProposer(Proposer):
                 timing = (min(max(seconds, pred / 3), 3 * pred), self.cost.features(**f))
             if not self.pending or self._reward(live, seconds, timing):
                 self.cost.observe(seconds=seconds, **f)
-        for r in live:                    # the chains verified: their classes learn
-            cls = self.sent.get(r.req_id)
-            if cls and r.drafts and r.tree_parents is None:
+        for r in live:                    # the chains drafted: their classes learn
+            cls, chain = self.sent.get(r.req_id, (None, None))
+            if chain is not None:         # a greedy row: the step's tokens score it, verified or not
+                observe_greedy(self.accept, r, chain, cls)
+            elif cls and r.drafts and r.tree_parents is None:
                 self.accept.observe(r.req_id, cls[:len(r.drafts)], min(r.num_accepted, len(r.drafts)))
         self.sent = {}
         self.pending, self.subsets, self.reach = {}, {}, {}
@@ -533,6 +549,7 @@ class BanditTreeProposer(Proposer):
         unpulled: list[tuple] = []     # the same for greedy rows whose arm is a tree
         deepest = max((a for a in self.chain_arms if a in self.allowed(bucket)),
                       key=lambda a: len(self.shapes[a]), default=None)
+        greedy_batch, shadow_s = all(r.greedy for r in live), 0.0
         for i, req in enumerate(ctx.requests):
             la = self.lookahead
             st = la.states.get(req.req_id)
@@ -545,9 +562,18 @@ class BanditTreeProposer(Proposer):
             arm = arms[kk]
             shape = self.shapes[arm]
             # The lookahead pool learns from a request's steps only around its drafts: after a step
-            # that verified some, or before one that drafts. While backed off (large batches) a
-            # request costs nothing here; its text is indexed when it drafts again (incrementally).
-            if cands is None and (req.drafts or (k and shape)):
+            # that verified some, or before one that drafts or shadows (`SHADOW_EVERY`). While backed
+            # off (large batches) a request costs next to nothing here; its text is indexed when it
+            # drafts again (incrementally).
+            # Every SHADOW_EVERY-th step of "no speculation" in a greedy batch, the deepest chain arm
+            # drafts anyway, unverified: the step's tokens tell what it would have made
+            # (`_counterfactual`), so its mean follows the traffic while it is not pulled. Its
+            # seconds are no arm's cost. Without it a chain arm's mean stayed what it was when last
+            # pulled (chat), and "no speculation" held through prompts that repeat their source.
+            shadow = (not shape and k and cands is None and deepest is not None and greedy_batch
+                      and self.steps % SHADOW_EVERY == 0)
+            t0, once1 = (self.clock(), self._once_total()) if shadow else (0.0, 0.0)
+            if cands is None and (req.drafts or (k and shape) or shadow):
                 la.observe(st, req)
             if not k:                    # the engine's budget says no drafts: no arm was pulled
                 out.append([])
@@ -555,6 +581,10 @@ class BanditTreeProposer(Proposer):
             self.pending.setdefault((kk, bucket), (arm, []))[1].append(req.req_id)
             if not shape:
                 out.append([])
+                if shadow:   # what the chain arm would have drafted: `_counterfactual` reads it
+                    unpulled.append((i, req, deepest, *la.chain_draft(st, req, min(len(self.shapes[deepest]), k))))
+                    self.subsets[req.req_id] = (0, False, {}, {})
+                    shadow_s += self.clock() - t0 - (self._once_total() - once1)
                 continue
             if arm in self.chain_arms:
                 chains.append((i, req, arm, *la.chain_draft(st, req, min(len(shape), k))))
@@ -589,7 +619,8 @@ class BanditTreeProposer(Proposer):
         if unpulled:     # a chain arm's outcome in a greedy step: its chain as the cut would keep it
             # had every row pulled it (no tree nodes in the step)
             keep, reach = self._chain_keep(unpulled, len(live), 0, explore=False)
-            for i, req, a, d, _ in unpulled:
+            for i, req, a, d, cls in unpulled:
+                self.sent[req.req_id] = (list(cls), [int(x) for x in d])
                 rec = self.subsets.get(req.req_id)
                 if rec is not None:
                     rec[3][a] = [(j, d[j], j - 1) for j in range(keep[i])]
@@ -602,17 +633,21 @@ class BanditTreeProposer(Proposer):
                 m = keep[i]
                 out[i] = d[:m]
                 drafted.setdefault(arm, []).append(m)
+                if req.greedy:
+                    self.sent[req.req_id] = (list(cls[:m + 1]), [int(x) for x in d[:m + 1]])
+                elif m:
+                    self.sent[req.req_id] = (list(cls[:m]), None)
                 if m:
-                    self.sent[req.req_id] = cls[:m]
                     # another chain arm would have kept the same tokens, up to its depth (where the
                     # cut, not this arm's depth, ended this chain)
                     subs = {a: frozenset(range(min(len(self.shapes[a]), m))) for a in self.chain_arms
                             if a != arm and (len(self.shapes[a]) <= len(self.shapes[arm]) or m < len(d))}
                     self.subsets[req.req_id] = (m, True, subs, {})
-        self.once_s = self._once_total() - once0
+        self.once_s = self._once_total() - once0 + shadow_s
         for arm, v in drafted.items():   # a mean over an arm's first steps, then an EMA
             self.node_steps[arm] = min(self.node_steps[arm] + 1, self.NODE_MEMORY)
             self.nodes[arm] += (sum(v) / len(v) - self.nodes[arm]) / self.node_steps[arm]
+            self.drafting[arm] += (float(any(v)) - self.drafting[arm]) / self.node_steps[arm]
         self.steps += 1
         self.last_start = now
         self.draft_seconds += self.clock() - now
@@ -665,7 +700,8 @@ class BanditTreeProposer(Proposer):
                     continue
                 got.setdefault(arm, []).append(len(r.sampled))
                 for a, t in self._counterfactual(r).items():
-                    got.setdefault(a, []).append(t)
+                    if a != arm:                    # (the pulled arm's tokens are measured)
+                        got.setdefault(a, []).append(t)
             if arm not in got:
                 continue
             n = len(got[arm])   # side observations only where known for every request

@@ -61,7 +61,7 @@ from dataclasses import dataclass, replace
 
 from .base import BuildEnv, MethodConfig, Proposer, RequestStep, StepContext, check_prompt_lookup, key
 from .cost import StepCost, batch_bucket, continues, mean_context, step_features
-from .goodput import SHADOW_EVERY, AcceptModel, chances, observe_greedy, price_cut
+from .goodput import SHADOW_EVERY, AcceptModel, chances, observe_chain, price_cut
 from .lookahead import SHARED_POOL_HELP, LookaheadConfig, LookaheadProposer, _select, shaped_tree
 
 logger = logging.getLogger("vllm_spec_plugins")
@@ -358,7 +358,7 @@ class BanditTreeProposer(Proposer):
         self.accept = AcceptModel(LookaheadProposer.class_prior)
         #: req id -> (classes, tokens) of the chain drafted for it last step: what was handed out
         #: (tokens None) or, for a greedy row, that and the first token cut, or a chain arm's
-        #: chain beside another arm (`observe_greedy`)
+        #: chain beside another arm (`observe_chain`)
         self.sent: dict[str, tuple[list[int], list[int] | None]] = {}
         #: req id -> each token's chance of acceptance in the chain a chain arm would have drafted
         #: last step (`_counterfactual`)
@@ -508,11 +508,9 @@ class BanditTreeProposer(Proposer):
             if not self.pending or self._reward(live, seconds, timing):
                 self.cost.observe(seconds=seconds, **f)
         for r in live:                    # the chains drafted: their classes learn
-            cls, chain = self.sent.get(r.req_id, (None, None))
-            if chain is not None:         # a greedy row: the step's tokens score it, verified or not
-                observe_greedy(self.accept, r, chain, cls)
-            elif cls and r.drafts and r.tree_parents is None:
-                self.accept.observe(r.req_id, cls[:len(r.drafts)], min(r.num_accepted, len(r.drafts)))
+            sent = self.sent.get(r.req_id)
+            if sent is not None:
+                observe_chain(self.accept, r, *sent)
         self.sent = {}
         self.pending, self.subsets, self.reach = {}, {}, {}
         while len(self.tables) > self.MAX_TABLES:      # rewards are in: the least recently used go

@@ -73,7 +73,7 @@ from .cost import StepCost, batch_bucket, continues, mean_context, step_features
 DEPTHS = 4
 
 #: every SHADOW_EVERY-th step where no draft can pay, a lookup (`depth_free`) still drafts one
-#: token for each greedy row, cut unverified (`observe_greedy`): the rates it is priced by keep
+#: token for each greedy row, cut unverified (`observe_chain`): the rates it is priced by keep
 #: following the text, and drafting resumes when the text starts to repeat. `bandit_tree` shadows
 #: its chain arm as often while "no speculation" is pulled.
 SHADOW_EVERY = 4
@@ -149,13 +149,18 @@ def chances(rate: list[float], classes) -> list[float]:
     return out
 
 
-def observe_greedy(accept: AcceptModel, r, chain: list[int], classes: list[int]) -> None:
-    """What a greedy row `r` tells `accept` about `chain` (drafted for it last step, `classes`
-    one per token), verified or not: the tokens the step made are the target's argmax
+def observe_chain(accept: AcceptModel, r, classes: list[int], chain: list[int] | None) -> None:
+    """What row `r` tells `accept` about the chain drafted for it last step (`classes` one per
+    token). Without its tokens (`chain` None): the drafts the step verified, as far as accepted.
+    With them (a greedy row), verified or not: the tokens the step made are the target's argmax
     continuation, so the chain would have been accepted as far as it matches them. Past its
     verified drafts that is one token more per row and step measured for free (the first token
     past a cut, where every kept one was accepted), and a chain drafted but not handed out at all
     is measured as one that was."""
+    if chain is None:
+        if classes and r.drafts and r.tree_parents is None:
+            accept.observe(r.req_id, classes[:len(r.drafts)], min(r.num_accepted, len(r.drafts)))
+        return
     made, j = r.sampled, 0
     while j < len(chain) and j < len(made) and chain[j] == made[j]:
         j += 1
@@ -211,8 +216,9 @@ class Goodput(Proposer):
         prior = inner.class_prior
         self.accept = AcceptModel(prior if prior is not None else np.full(DEPTHS, 0.3))
         self.cost = StepCost()
-        self.sent: dict[str, list[int]] = {}     # req id -> classes of the drafts handed out last step
-        self.chain: dict[str, list[int]] = {}    # greedy req id -> drafts handed out + the first cut one
+        #: req id -> (classes, tokens) of the chain handed out last step: tokens None, or, for a
+        #: greedy row, the drafts handed out and the first one cut (`observe_chain`)
+        self.sent: dict[str, tuple[list[int], list[int] | None]] = {}
         self.last_end: float | None = None
         self._ids: set = set()                   # request ids of the last step (`continues`)
         self.buckets: dict[int, dict] = {}       # batch bucket -> drafter accounting (EMAs)
@@ -241,7 +247,6 @@ class Goodput(Proposer):
         self.inner.release(req_id)
         self.accept.release(req_id)
         self.sent.pop(req_id, None)
-        self.chain.pop(req_id, None)
 
     # ---- drafting on/off ------------------------------------------------------------------
     def _bucket(self, b: int) -> dict:
@@ -417,7 +422,6 @@ class Goodput(Proposer):
         for rid in ctx.finished_req_ids | ctx.preempted_req_ids:
             self.accept.release(rid)
             self.sent.pop(rid, None)
-            self.chain.pop(rid, None)
         live = [i for i, r in enumerate(ctx.requests) if r.sampled]
         self._ids, timed = continues(self._ids, ctx.requests)
         if self.last_end is not None and timed:
@@ -425,14 +429,11 @@ class Goodput(Proposer):
         realized = 0
         for i in live:
             r = ctx.requests[i]
-            cls = self.sent.pop(r.req_id, None)
             if r.drafts:
                 realized += min(r.num_accepted, len(r.drafts))
-            chain = self.chain.pop(r.req_id, None)
-            if chain is not None:               # a greedy row's chain: the step's tokens score it
-                observe_greedy(self.accept, r, chain, cls)
-            elif cls and r.drafts:              # a chain we cut: its verified classes learn
-                self.accept.observe(r.req_id, cls[:len(r.drafts)], min(r.num_accepted, len(r.drafts)))
+            sent = self.sent.pop(r.req_id, None)
+            if sent is not None:                # a chain we cut: its classes learn
+                observe_chain(self.accept, r, *sent)
         self.goodput_stats["accepted"] += realized
         if self._pending is not None:        # what last step's cut expected, against what it made
             self._cal = [0.99 * self._cal[0] + realized, 0.99 * self._cal[1] + self._pending]
@@ -473,7 +474,7 @@ class Goodput(Proposer):
                                     self._depth(bucket, n, budget))
             if (not depth and self.inner.depth_free and self.steps % SHADOW_EVERY == 0
                     and any(ctx.requests[i].greedy for i in rows)):
-                depth = 1             # for `observe_greedy` alone: `_allocate` keeps none of it
+                depth = 1             # for `observe_chain` alone: `_allocate` keeps none of it
         if self.sync is not None:
             depth = self.sync(depth)
         ran = {r.req_id for r in sub.requests if r.sampled} if depth and not fallback else set()
@@ -499,11 +500,10 @@ class Goodput(Proposer):
                 continue
             out[i] = list(d[:m])
             req = ctx.requests[i]
-            if req.greedy and _cuttable(req, d):    # and the first token cut: `observe_greedy`
-                self.sent[req.req_id] = list(c[:m + 1])
-                self.chain[req.req_id] = [int(x) for x in d[:m + 1]]
+            if req.greedy and _cuttable(req, d):    # and the first token cut: `observe_chain`
+                self.sent[req.req_id] = (list(c[:m + 1]), [int(x) for x in d[:m + 1]])
             elif m:
-                self.sent[req.req_id] = list(c[:m])
+                self.sent[req.req_id] = (list(c[:m]), None)
         if n:
             self.history.append((self.steps, n, sum(len(d) for d in drafted) if drafts else 0,
                                  sum(kept), self._threshold if drafts else None))

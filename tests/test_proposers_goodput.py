@@ -540,7 +540,7 @@ def test_where_no_draft_can_pay_a_lookup_still_measures_its_first_token():
     """Where a verified token costs about what a row's step does (batch 8), no draft can pay and
     none is verified. A lookup is still asked for one token per greedy row every
     `SHADOW_EVERY`-th step, and cut: the tokens the step makes tell whether it would have been
-    accepted (`observe_greedy`), so its class's rate follows the text for free (here the first
+    accepted (`observe_chain`), so its class's rate follows the text for free (here the first
     token is wrong at every fifth position: 0.8), and drafting could resume where the text turns
     predictable. Without that, the class is measured only on the cold server's first step."""
     prop, steps = run(lambda refs, _: FlakyLookup(16, refs, every=5), 8, 200, fixed=1.0, per_token=1.0)
@@ -555,7 +555,7 @@ def test_where_no_draft_can_pay_a_lookup_still_measures_its_first_token():
 def test_lookahead_under_goodput_is_exact_and_frees_state():
     prop, _ = run(lambda refs, _: LookaheadProposer(LookaheadConfig(4), vocab_size=V), 6, 150, fixed=10.0,
                   per_token=1.0, target=lambda t: (t[-1] * 7 + (t[-2] if len(t) > 1 else 0)) % 50)
-    assert prop.inner.states == {} and prop.accept.req == {} and prop.sent == {} and prop.chain == {}
+    assert prop.inner.states == {} and prop.accept.req == {} and prop.sent == {}
     assert prop.goodput_stats["kept"] > 0
 
 

@@ -226,7 +226,7 @@ class Goodput(Proposer):
         self.context = 0.0                       # mean context length of last step's decoding rows
         self.sync = None                         # tensor parallel: rank 0's decisions for every rank
         # expected: accepted tokens the kept drafts were predicted to make; accepted: what the
-        # target accepted of them (calibration of the acceptance model)
+        # target accepted of them (calibration of the acceptance model), in rows that reported back
         self.goodput_stats = {"steps": 0, "drafting_steps": 0, "probes": 0, "fallback_steps": 0, "drafted": 0,
                               "kept": 0, "explored": 0, "expected": 0.0, "accepted": 0}
         #: per step with live requests: (step, batch size, drafted, kept, price b * R of the last
@@ -235,7 +235,10 @@ class Goodput(Proposer):
         self._threshold, self._last_gain, self._forced, self._blind = 0.0, 0.0, False, False
         self._reach: list[float] = []            # last cut's mean chance of acceptance per depth
         self._row_rates: dict[str, list[float]] = {}   # req id -> its rates per class this step
-        self._pending: float | None = None       # accepted tokens the last drafting step's cut expected
+        #: req id -> (accepted tokens the last drafting step's cut expected of its row, tokens it
+        #: kept there); None: no such step
+        self._pending: dict[str, tuple[float, int]] | None = None
+        self._row_gain: dict[str, tuple[float, int]] = {}    # the same, from the last cut
         self._live: set = set()                  # request ids that decoded last step
         self._drafting: set = set()              # those the wrapped proposer drafted for
         self._probe: set | None = None           # request ids of a probe's first step (its second follows)
@@ -426,17 +429,25 @@ class Goodput(Proposer):
         self._ids, timed = continues(self._ids, ctx.requests)
         if self.last_end is not None and timed:
             self.cost.observe(seconds=now - self.last_end, **step_features(ctx))
-        realized = 0
         for i in live:
             r = ctx.requests[i]
-            if r.drafts:
-                realized += min(r.num_accepted, len(r.drafts))
             sent = self.sent.pop(r.req_id, None)
             if sent is not None:                # a chain we cut: its classes learn
                 observe_chain(self.accept, r, *sent)
-        self.goodput_stats["accepted"] += realized
         if self._pending is not None:        # what last step's cut expected, against what it made
-            self._cal = [0.99 * self._cal[0] + realized, 0.99 * self._cal[1] + self._pending]
+            # of the tokens it kept (not the explore token), in the rows that report back: a
+            # request that finished in the step (its last tokens, often accepted drafts) never
+            # does, and counted as expected it read as optimism
+            expected, realized = 0.0, 0
+            for i in live:
+                r = ctx.requests[i]
+                if r.req_id in self._pending and r.drafts:
+                    gain, kept = self._pending[r.req_id]
+                    expected += gain
+                    realized += min(r.num_accepted, kept)
+            self.goodput_stats["expected"] += expected
+            self.goodput_stats["accepted"] += realized
+            self._cal = [0.99 * self._cal[0] + realized, 0.99 * self._cal[1] + expected]
             self._pending = None
         budget, n = ctx.budget(self.k), len(live)
         if n:
@@ -525,19 +536,17 @@ class Goodput(Proposer):
                     st["fallback_steps"] += 1
                     st["drafted"] += sum(len(d) for d in drafted)
                     st["kept"] += sum(kept)
-                    st["expected"] += self._last_gain
                     bucket["fb_n"] += 1
                     for f, v in (("fb_gain", self._last_gain / n), ("fb_kept", sum(kept) / n),
                                  ("fb_frac", float(any(kept)))):
                         bucket[f] = self._ema(bucket[f], v, 0.05, bucket["fb_n"])
-                    self._pending = self._last_gain
+                    self._pending = self._row_gain
             elif drafts and not self._forced:
                 m = sum(1 for r in sub.requests if r.sampled)
                 st["drafting_steps"] += 1
                 st["probes"] += mode == "probe"
                 st["drafted"] += sum(len(d) for d in drafted)
                 st["kept"] += sum(kept)
-                st["expected"] += self._last_gain
                 # slow averages: one step's gain is noisy (a confident stretch, then none), and
                 # on/off must follow the mean, not the last few steps; a probe counts double
                 w = 0.1 if mode == "probe" else 0.05
@@ -559,7 +568,7 @@ class Goodput(Proposer):
                     reach = bucket["reach"]
                     for j, p in enumerate(self._reach):      # `_ema`, inline: up to k depths a step
                         reach[j] = p if reach[j] is None else (1 - w) * reach[j] + w * p
-                    self._pending = self._last_gain
+                    self._pending = self._row_gain
         self.last_end = self.clock()
         return out
 
@@ -570,6 +579,7 @@ class Goodput(Proposer):
         are expected to make), `_threshold` (b * R at the cut) and `_blind` (no step measured
         yet: one row's chain kept whole)."""
         self._last_gain, self._threshold, self._forced, self._reach = 0.0, 0.0, False, []
+        self._row_gain = {}
         self._blind = self.cost.n == 0
         keep = [0] * len(drafts)
         if self._blind:
@@ -588,11 +598,13 @@ class Goodput(Proposer):
         # own and its ancestors' rates); plain lists: a step has tens of tokens, not thousands
         items: list[tuple[float, int, int]] = []
         reach: list[float] = []                    # summed p per depth
+        chance: dict[int, list[float]] = {}        # row -> its tokens' p
         for i, (req, d, c) in enumerate(zip(ctx.requests, drafts, classes)):
             if not _cuttable(req, d):
                 continue
             rate = self._row_rates.get(req.req_id) or self.accept.rates(req.req_id, self.accept.global_rate()).tolist()
-            for j, p in enumerate(chances(rate, c[:len(d)])):
+            chance[i] = chances(rate, c[:len(d)])
+            for j, p in enumerate(chance[i]):
                 items.append((-p, j, i))
                 if j < len(reach):
                     reach[j] += p
@@ -611,6 +623,7 @@ class Goodput(Proposer):
         if (made - n) * (a + b * n) <= n * (b * extra + jump):   # drafting at all does not pay
             return [0] * len(drafts)
         self._last_gain = made - n
+        self._row_gain = {ctx.requests[i].req_id: (sum(chance[i][:keep[i]]), keep[i]) for i in chance if keep[i]}
         self._threshold = b * made / (a + b * (n + extra) + jump)
         if self.explore_every and self.steps % self.explore_every == 0 and extra:   # never pays the jump alone
             rows = [i for i, d in enumerate(drafts) if keep[i] < len(d) and _cuttable(ctx.requests[i], d)]

@@ -798,3 +798,15 @@ def test_a_probe_measured_at_one_batch_size_prices_the_first_at_another():
     prop._bucket(8)["probe_s"] = 20.0
     assert prop._probe_estimate(4, 1.0, 0.5) == pytest.approx(20.0)
     assert prop._probe_estimate(2, 1.0, 0.5) == pytest.approx(10.0)
+
+
+def test_drafts_always_accepted_never_read_as_optimism():
+    """Every kept draft of an oracle is accepted, so what the cut expected of them (their chances,
+    each <= 1) can only fall short of what they make. A request that finishes in the step that
+    verifies its last drafts never reports them: counted as expected, its accepted tokens read
+    as misses (with short requests here, 0.93 of the expectation), and `calibration` priced a
+    costly drafter's gain below what it makes."""
+    prop, _ = run(lambda refs, _: OracleProposer(4, refs), 8, 24, fixed=10.0, per_token=1.0)
+    st = prop.goodput_stats
+    assert st["expected"] > 50 and st["accepted"] >= st["expected"], st
+    assert prop.calibration() >= 1.0, prop.calibration()

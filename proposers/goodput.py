@@ -235,10 +235,13 @@ class Goodput(Proposer):
         self._threshold, self._last_gain, self._forced, self._blind = 0.0, 0.0, False, False
         self._reach: list[float] = []            # last cut's mean chance of acceptance per depth
         self._row_rates: dict[str, list[float]] = {}   # req id -> its rates per class this step
-        #: req id -> (accepted tokens the last drafting step's cut expected of its row, tokens it
-        #: kept there); None: no such step
-        self._pending: dict[str, tuple[float, int]] | None = None
-        self._row_gain: dict[str, tuple[float, int]] = {}    # the same, from the last cut
+        #: req id -> the chances of the tokens the last drafting step's cut kept in its row (their
+        #: sum: what it expected of them); None: no such step
+        self._pending: dict[str, list[float]] | None = None
+        self._row_gain: dict[str, list[float]] = {}    # the same, from the last cut
+        #: per tenth of a kept token's chance: (tokens, their chances summed, accepted), in rows
+        #: that reported back: how well the acceptance model is calibrated on this traffic
+        self.reliability = [[0, 0.0, 0] for _ in range(10)]
         self._live: set = set()                  # request ids that decoded last step
         self._drafting: set = set()              # those the wrapped proposer drafted for
         self._probe: set | None = None           # request ids of a probe's first step (its second follows)
@@ -442,9 +445,14 @@ class Goodput(Proposer):
             for i in live:
                 r = ctx.requests[i]
                 if r.req_id in self._pending and r.drafts:
-                    gain, kept = self._pending[r.req_id]
-                    expected += gain
-                    realized += min(r.num_accepted, kept)
+                    ps = self._pending[r.req_id]
+                    expected += sum(ps)
+                    realized += min(r.num_accepted, len(ps))
+                    for j, p in enumerate(ps):
+                        b = self.reliability[min(int(p * 10), 9)]
+                        b[0] += 1
+                        b[1] += p
+                        b[2] += j < r.num_accepted
             self.goodput_stats["expected"] += expected
             self.goodput_stats["accepted"] += realized
             self._cal = [0.99 * self._cal[0] + realized, 0.99 * self._cal[1] + expected]
@@ -623,7 +631,7 @@ class Goodput(Proposer):
         if (made - n) * (a + b * n) <= n * (b * extra + jump):   # drafting at all does not pay
             return [0] * len(drafts)
         self._last_gain = made - n
-        self._row_gain = {ctx.requests[i].req_id: (sum(chance[i][:keep[i]]), keep[i]) for i in chance if keep[i]}
+        self._row_gain = {ctx.requests[i].req_id: chance[i][:keep[i]] for i in chance if keep[i]}
         self._threshold = b * made / (a + b * (n + extra) + jump)
         if self.explore_every and self.steps % self.explore_every == 0 and extra:   # never pays the jump alone
             rows = [i for i, d in enumerate(drafts) if keep[i] < len(d) and _cuttable(ctx.requests[i], d)]
@@ -650,6 +658,9 @@ class Goodput(Proposer):
                 "rates": [round(x, 4) for x in self.accept.global_rate().tolist()],
                 "tries": [round(x, 1) for x in self.accept.tries.tolist()],
                 "buckets": {str(k): dict(v) for k, v in sorted(self.buckets.items())},
+                # per tenth of chance: [kept tokens, their mean chance, the share accepted]
+                "reliability": [[n, round(sp / n, 3), round(hit / n, 3)] if n else [0, None, None]
+                                for n, sp, hit in self.reliability],
                 **self.goodput_stats}
 
     # ---- the proposer interface: the wrapped proposer's state, and goodput's own ---------------

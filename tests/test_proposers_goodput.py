@@ -810,3 +810,5 @@ def test_drafts_always_accepted_never_read_as_optimism():
     st = prop.goodput_stats
     assert st["expected"] > 50 and st["accepted"] >= st["expected"], st
     assert prop.calibration() >= 1.0, prop.calibration()
+    rel = prop.goodput_state()["reliability"]         # every bin: all its kept tokens accepted
+    assert sum(n for n, _, _ in rel) == st["accepted"] and all(hit == 1.0 for n, _, hit in rel if n), rel

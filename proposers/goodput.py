@@ -445,7 +445,7 @@ class Goodput(Proposer):
             for i in live:
                 r = ctx.requests[i]
                 if r.req_id in self._pending and r.drafts:
-                    ps = self._pending[r.req_id]
+                    ps = self._pending[r.req_id][:len(r.drafts)]    # as far as the engine verified
                     expected += sum(ps)
                     realized += min(r.num_accepted, len(ps))
                     for j, p in enumerate(ps):

@@ -51,7 +51,10 @@ second measures the steady cost. The wrapped proposer sees every step (with a bu
 off) and catches up on what it skipped when it drafts again. A proposer with a cheap part of its
 own (`propose_fallback`: a cascade's model-free level, n-gram lookup beside a Mamba drafter) has
 that part draft alone while off, cut as a cheap proposer's drafts are; R_off is then the rate of
-those steps (their gain, kept drafts and jumps, measured as R_on's are).
+those steps (their gain, kept drafts and jumps, measured as R_on's are). While the drafter pays,
+its cheap part still drafts alone one step in `FALLBACK_EVERY` (one in `FALLBACK_WARM` until
+`FALLBACK_MIN` such steps are measured): otherwise R_off is priced as plain decoding, and a drafter
+that beats plain but not its own cheap part would never give way to it.
 
 Every `explore_every`-th step that drafts anyway, one request (in turn) gets one token past its
 cut, so classes below the current threshold keep being measured.
@@ -77,6 +80,11 @@ DEPTHS = 4
 #: following the text, and drafting resumes when the text starts to repeat. `bandit_tree` shadows
 #: its chain arm as often while "no speculation" is pulled.
 SHADOW_EVERY = 4
+
+#: while a drafter with a cheap part pays, one step in FALLBACK_EVERY has the cheap part draft
+#: alone, one in FALLBACK_WARM until FALLBACK_MIN such steps are measured: R_off is measured, not
+#: assumed to be plain decoding's rate
+FALLBACK_EVERY, FALLBACK_WARM, FALLBACK_MIN = 16, 4, 4
 
 
 class AcceptModel:
@@ -265,7 +273,7 @@ class Goodput(Proposer):
         if s is None:
             s = {"on_row_s": None, "off_row_s": None, "gain": None, "n": 0, "kept": None,
                  "frac": None, "off_steps": 0, "depth": None, "probe_s": None, "reach": [None] * self.k,
-                 "fb_gain": None, "fb_kept": None, "fb_frac": None, "fb_n": 0}
+                 "fb_gain": None, "fb_kept": None, "fb_frac": None, "fb_n": 0, "since_fb": 0}
             near = self._nearest(b, "gain")
             if near is not None:
                 s |= {k: self.buckets[near][k] for k in ("on_row_s", "off_row_s", "gain", "n", "kept",
@@ -341,6 +349,9 @@ class Goodput(Proposer):
             verify = fit[1] * n * bucket["fb_kept"] + jump * bucket["fb_frac"]
         off = n * (1 + gain) / (step + n * (bucket["off_row_s"] or 0.0) + verify)
         if on >= off:
+            if self.inner.propose_fallback is not None and bucket["since_fb"] >= (
+                    FALLBACK_WARM if bucket["fb_n"] < FALLBACK_MIN else FALLBACK_EVERY):
+                return "off"                 # the cheap part alone, measured now and then
             return "on"
         probe = bucket["probe_s"] or self._probe_estimate(n, bucket["on_row_s"], jump)
         gap = min(max(probe / (self.probe_share * step) if step > 0 else 0.0, self.probe_every), 16 * self.probe_every)
@@ -545,6 +556,7 @@ class Goodput(Proposer):
                     st["drafted"] += sum(len(d) for d in drafted)
                     st["kept"] += sum(kept)
                     bucket["fb_n"] += 1
+                    bucket["since_fb"] = 0
                     for f, v in (("fb_gain", self._last_gain / n), ("fb_kept", sum(kept) / n),
                                  ("fb_frac", float(any(kept)))):
                         bucket[f] = self._ema(bucket[f], v, 0.05, bucket["fb_n"])
@@ -567,6 +579,7 @@ class Goodput(Proposer):
                 if ran:                                   # (`_reachable` may ask for nothing)
                     bucket["depth"] = self._ema(bucket["depth"], max((len(d) for d in drafted), default=0), w)
                 bucket["off_steps"] = 0
+                bucket["since_fb"] += mode == "on"
                 if not self._blind and m:                # the blind first step: no gain to learn
                     bucket["n"] += 1
                     g = self._last_gain / m

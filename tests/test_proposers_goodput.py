@@ -366,6 +366,31 @@ def test_while_a_costly_drafter_is_off_its_cheap_part_drafts_alone():
     assert b["fb_gain"] > 1.0 and b["fb_n"] == st["fallback_steps"], b
 
 
+class PayingWithFallback(CostlyWithFallback):
+    """`CostlyWithFallback` whose drafter pays (its first token always right, the rest never) but
+    less than its cheap part alone (always right)."""
+
+    def propose(self, ctx):
+        out = [list(d) for d in self.oracle.propose(ctx)]
+        for d in out:
+            for j in range(1, len(d)):
+                d[j] = (d[j] + 1) % V
+        self.classes = [list(range(len(d))) for d in out]
+        if ctx.budget(self.k):
+            self.clock.t += self.cost
+        return out
+
+
+def test_a_paying_drafter_is_measured_against_its_cheap_part_and_gives_way():
+    """The drafter beats plain decoding, so R_on >= R_off while R_off is plain's rate; its cheap
+    part alone does better still. The cheap part must be measured while the drafter pays, and then
+    draft most steps: far fewer steps than the drafter's ~2 tokens a step take."""
+    prop, steps = run(lambda refs, clock: PayingWithFallback(refs, clock, 1.0), 4, 400, fixed=10.0, per_token=1.0)
+    st = prop.goodput_stats
+    assert st["fallback_steps"] > st["drafting_steps"], st
+    assert max(steps.values()) < 0.8 * 400 / 2, steps
+
+
 def test_a_cold_server_learns_a_costly_drafter_on_a_few_rows():
     """At batch 8, what a cold server pays to learn a drafter (one that does not pay, at 1.25 s a
     row, a step being ~18 s): the blind first step drafts for the one row whose chain it keeps,

@@ -340,24 +340,25 @@ class StateSpaceDrafter(torch.nn.Module):
             return h @ self.head.T
         return (h.to(self.head.dtype) @ self.head.T).to(h.dtype)
 
-    def matmuls_in(self, dtype: "torch.dtype | str") -> "StateSpaceDrafter":
+    def matmuls_in(self, dtype: "torch.dtype | str",
+                   fallback: torch.dtype = torch.bfloat16) -> "StateSpaceDrafter":
         """Store the mixers' projections and the head in `dtype` (their matmuls then run in it),
-        or "int8": weight-only int8 (`Int8Linear`), activations in bf16; states, norms,
-        convolution and scan stay float32. These matmuls read every weight once per drafted
-        token and the bytes are the cost: int8 reads half the bytes of bf16 and a quarter of
-        float32."""
-        if dtype == "int8":     # where int8 cannot run a matmul (`Int8Linear.of`), bf16
+        or "int8": weight-only int8 (`Int8Linear`), activations in bf16, and `fallback` for a
+        matrix int8 cannot run (`Int8Linear.of`); states, norms, convolution and scan stay
+        float32. These matmuls read every weight once per drafted token and the bytes are the
+        cost: int8 reads half the bytes of bf16 and a quarter of float32."""
+        if dtype == "int8":
             for layer in self.layers:
                 for name in ("in_proj", "out_proj"):
                     m = getattr(layer, name)
                     q = Int8Linear.of(m.weight.data)
                     if q is None:
-                        m.weight.data = m.weight.data.to(torch.bfloat16)
+                        m.weight.data = m.weight.data.to(fallback)
                     else:
                         setattr(layer, name, q)
             q = Int8Linear.of(self.head)
             if q is None:
-                self.head = self.head.to(torch.bfloat16)
+                self.head = self.head.to(fallback)
             else:
                 del self.head
                 self.head = q
@@ -716,9 +717,10 @@ def target_embeddings(target_dir: str):
 
 
 def load_drafter(path, embed: torch.Tensor, head: torch.Tensor,
-                 matmul_dtype: "torch.dtype | str" = torch.float32) -> StateSpaceDrafter:
+                 matmul_dtype: "torch.dtype | str" = torch.float32,
+                 fallback: torch.dtype = torch.bfloat16) -> StateSpaceDrafter:
     """A drafter folder (config.json + model.safetensors) over the target's embeddings / head;
-    its matmuls in `matmul_dtype` (`StateSpaceDrafter.matmuls_in`)."""
+    its matmuls in `matmul_dtype` (`StateSpaceDrafter.matmuls_in`, with its `fallback`)."""
     import json
     from pathlib import Path
 
@@ -727,4 +729,4 @@ def load_drafter(path, embed: torch.Tensor, head: torch.Tensor,
     w = load_file(str(Path(path) / "model.safetensors"))
     d = StateSpaceDrafter(cfg, embed, head.float(), w["draft_vocab"]).float()
     d.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in w.items()})
-    return (d if matmul_dtype == torch.float32 else d.matmuls_in(matmul_dtype)).eval()
+    return (d if matmul_dtype == torch.float32 else d.matmuls_in(matmul_dtype, fallback)).eval()

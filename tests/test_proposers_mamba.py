@@ -190,21 +190,48 @@ def test_low_precision_matmuls_shrink_the_weights_and_keep_the_proposer_exact(dt
             assert acc[r] > 0
 
 
-def test_int8_falls_back_to_bf16_where_torch_cannot_run_it():
+@pytest.mark.parametrize("fallback", [torch.bfloat16, torch.float32])
+def test_int8_falls_back_where_torch_cannot_run_it(fallback):
     """Input widths that are not multiples of 32 (torch's int8 matmul gave NaN or crashed on
-    some here) keep bf16 weights; the others become int8."""
+    some here) keep the `fallback` dtype (a float32 target's drafter keeps float32: bf16
+    matmuls of a few rows run ~2.6x slower than float32 on an AVX2 host); the others become
+    int8."""
     from vllm_spec_plugins.proposers.mamba import Int8Linear
     assert Int8Linear.of(torch.randn(8, 40)) is None and Int8Linear.of(torch.randn(8, 100)) is None
     assert isinstance(Int8Linear.of(torch.randn(8, 64)), Int8Linear)
     torch.manual_seed(0)
     emb = torch.randn(V, 48)       # d = 48: the in-projection and the head read 48 wide
     d = StateSpaceDrafter({"head_dim": 16, "d_state": 8, "chunk": 8}, emb, emb, torch.arange(0, V, 2)).eval()
-    d.matmuls_in("int8")
-    assert d.layers[0].in_proj.weight.dtype == torch.bfloat16 and d.head.dtype == torch.bfloat16
+    d.matmuls_in("int8", fallback)
+    assert d.layers[0].in_proj.weight.dtype == fallback and d.head.dtype == fallback
     assert isinstance(d.layers[0].out_proj, Int8Linear)           # 96 wide: int8
     with torch.no_grad():
         h, _ = d(torch.randint(0, V, (1, 9)))
         assert torch.isfinite(d.logits(h)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_served_drafter_reads_int8_weights_under_either_target_dtype(dtype, tmp_path):
+    """What the plugin loads for a served Mamba drafter: int8 projections and head whatever the
+    target's dtype (the bytes a drafted token reads are its cost), a matrix int8 cannot run in
+    the target's own dtype."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from vllm_spec_plugins.proposer import _drafter
+    from vllm_spec_plugins.proposers.mamba import Int8Linear
+    torch.manual_seed(0)
+    emb = torch.randn(V, 64)                  # every matrix 64 or 128 wide: int8 runs them all
+    target, folder = tmp_path / "target", tmp_path / "mamba"
+    target.mkdir(), folder.mkdir()
+    save_file({"model.embed_tokens.weight": emb}, str(target / "model.safetensors"))
+    d = StateSpaceDrafter({"head_dim": 16, "d_state": 16, "chunk": 8}, emb, emb, torch.arange(0, V, 2))
+    save_file({k: v.contiguous() for k, v in d.state_dict().items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(d.cfg))
+    d = _drafter(str(folder), str(target), dtype)
+    mats = [m for layer in d.layers for m in (layer.in_proj, layer.out_proj)] + [d.head]
+    assert all(isinstance(m, Int8Linear) for m in mats)
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["torch", "c_step"])

@@ -57,10 +57,8 @@ def _drafter(model: str, target: str, dtype):
     """The Mamba drafter in folder `model` over the target's embeddings and head, with the C step
     kernel when it builds. Its projections and head are int8 weights with bf16 activations
     (`matmuls_in`), whatever the target's dtype: a drafted token reads a quarter of the float32
-    bytes, and drafts never change what the target outputs. Under a float32 target on an AVX2
-    host that made a k=4 proposal at batch 1 cost ~3.9 ms a row against ~6.3 ms with float32
-    matmuls, with the same next-token accuracy (0.405 on held-out answers; argmax equal at
-    95% of positions). A matrix int8 cannot run keeps the target's dtype."""
+    bytes (what it costs on a CPU: docs/drafters.md), and drafts never change what the target
+    outputs. A matrix int8 cannot run keeps the target's dtype."""
     import torch
 
     from vllm_spec_plugins import native

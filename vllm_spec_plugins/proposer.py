@@ -58,7 +58,8 @@ def _drafter(model: str, target: str, dtype):
     kernel when it builds. Its projections and head are int8 weights with bf16 activations
     (`matmuls_in`), whatever the target's dtype: a drafted token reads a quarter of the float32
     bytes (what it costs on a CPU: docs/drafters.md), and drafts never change what the target
-    outputs. A matrix int8 cannot run keeps the target's dtype."""
+    outputs. A matrix int8 cannot run stays bf16 under a bf16 target, float32 under any other
+    (or none given)."""
     import torch
 
     from vllm_spec_plugins import native

@@ -553,9 +553,11 @@ def render_served(results_dir: str = RESULTS_DIR) -> str:
     for path in result_files(results_dir):
         out = _read_json(path)
         results, cfg = out.get("results") or {}, out.get("config") or {}
-        # bench.py's own configs (no --method-config): every method as served by default
+        # every method of the table at bench.py's own config (a --method-config may add a method
+        # beside them, e.g. a fixed-budget row, but not reconfigure one): as served by default
+        tuned = {str(mc).split("=", 1)[0] for mc in cfg.get("method_config") or ()}
         if (cfg.get("prompt_source", cfg.get("prompts")) != "fresh" or not cfg.get("cold") or "plain" not in results
-                or cfg.get("method_config") or not all(m in results for m in SERVED_TABLE)):
+                or tuned & {"plain", *SERVED_TABLE} or not all(m in results for m in SERVED_TABLE)):
             continue
         cats = list(cfg.get("n_prompts") or results["plain"])
         cats_seen = cats_seen or cats

@@ -203,8 +203,9 @@ def test_when_speculation_pays_from_draft_cost_runs(tmp_path):
 
 def test_served_defaults_table_from_all_seven_runs(tmp_path):
     """One row per cold fresh-prompt run of every served method at bench.py's own configs: x plain
-    per category (tau for lookahead and suffix) and the two plain engines' spread; a run with a
-    --method-config or without every method is left out."""
+    per category (tau for lookahead and suffix) and the two plain engines' spread; a run whose
+    --method-config reconfigures one of them, or without every method, is left out (one that only
+    adds a method beside them is kept)."""
     bench = load("bench")
     res = _synthetic_result(bench)
     res["config"] |= {"prompt_source": "fresh", "cold": True, "method_config": None}
@@ -214,13 +215,16 @@ def test_served_defaults_table_from_all_seven_runs(tmp_path):
         res["results"][m] = {c: {"speedup_vs_plain": 1.0 + i / 10 + j / 100, "tau": 1.5 + j} for j, c in
                              enumerate(("chat", "code"))}
     (tmp_path / "all.json").write_text(json.dumps(res))
-    (tmp_path / "tuned.json").write_text(json.dumps(res | {"config": res["config"] | {"method_config": ["x={}"]}}))
+    (tmp_path / "tuned.json").write_text(json.dumps(res | {"config": res["config"] | {
+        "method_config": ['lookahead={"method": "lookahead", "num_speculative_tokens": 4}']}}))
+    (tmp_path / "more.json").write_text(json.dumps(res | {"config": res["config"] | {"method_config": ["x={}"]}}))
     partial = json.loads(json.dumps(res))
     del partial["results"]["ngram"]
     (tmp_path / "partial.json").write_text(json.dumps(partial))
     text = gen_docs.render_served(str(tmp_path))
     rows = [r for r in text.splitlines() if r.startswith("| [")]
-    assert len(rows) == 1 and rows[0].startswith("| [`all`](#all) | `0123456` | ")
+    assert len(rows) == 2 and rows[0].startswith("| [`all`](#all) | `0123456` | ")
+    assert rows[1].startswith("| [`more`](#more) | `0123456` | ")
     assert "| 2 / 2 | 5.0 / -% | 1.00 / 1.01 (tau 1.50 / 2.50) | 1.10 / 1.11 |" in rows[0]
     assert rows[0].endswith("| 1.40 / 1.41 (tau 1.50 / 2.50) | 1.50 / 1.51 |")
     assert "No result here ran every served method" in gen_docs.render_served(str(tmp_path / "none"))

@@ -149,10 +149,16 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def method_config_item(item: str) -> tuple[str, str]:
+    """A --method-config item, NAME=JSON, as (NAME, JSON); JSON empty where the item has none."""
+    name, _, js = item.partition("=")
+    return name, js
+
+
 def method_configs(args, model: str) -> dict:
     configs = dict(DEFAULT_CONFIGS)
     for item in args.method_config:
-        name, _, js = item.partition("=")
+        name, js = method_config_item(item)
         if not js:
             raise SystemExit(f"--method-config {item!r}: expected NAME=JSON")
         configs[name] = json.loads(js)

@@ -555,7 +555,7 @@ def render_served(results_dir: str = RESULTS_DIR) -> str:
         results, cfg = out.get("results") or {}, out.get("config") or {}
         # every method of the table at bench.py's own config (a --method-config may add a method
         # beside them, e.g. a fixed-budget row, but not reconfigure one): as served by default
-        tuned = {str(mc).split("=", 1)[0] for mc in cfg.get("method_config") or ()}
+        tuned = {_bench().method_config_item(str(mc))[0] for mc in cfg.get("method_config") or ()}
         if (cfg.get("prompt_source", cfg.get("prompts")) != "fresh" or not cfg.get("cold") or "plain" not in results
                 or tuned & {"plain", *SERVED_TABLE} or not all(m in results for m in SERVED_TABLE)):
             continue

@@ -703,26 +703,31 @@ def draw_gpu_plot(gpu_dir: str = GPU_RESULTS_DIR, results_dir: str = RESULTS_DIR
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.6))
     drawn = False
-    for name, _, curve in gpu_runs(gpu_dir):
-        if not curve:
-            continue
+    # One colour per batch size across GPUs (a GPU is told by its marker and line style); CPU runs
+    # are dashed, in a palette of their own.
+    batch_colors = {1: "#1f77b4", 8: "#ff7f0e", 32: "#2ca02c", 64: "#d62728"}
+    gpu_styles = [("-", "o"), ("-.", "^"), (":", "v")]
+    for i, (name, _, curve) in enumerate([r for r in gpu_runs(gpu_dir) if r[2]]):
         chain = _curve_ms(curve, "triton")
         dev = (((curve.get("env") or {}).get("device") or {}).get("name") or name).replace("NVIDIA ", "")
+        ls, marker = gpu_styles[i % len(gpu_styles)]
         for b in sorted({b for b, c, _ in chain if c == GPU_PLOT_CTX}):
             qs = sorted(q for bb, c, q in chain if (bb, c) == (b, GPU_PLOT_CTX))
             if 1 in qs:
                 ax.plot([q - 1 for q in qs], [chain[(b, GPU_PLOT_CTX, q)] / chain[(b, GPU_PLOT_CTX, 1)] for q in qs],
-                        "-o", ms=3, label=f"{dev.split()[0]}, batch {b} (8B, ctx {GPU_PLOT_CTX})")
+                        ls=ls, marker=marker, ms=3, color=batch_colors.get(b),
+                        label=f"{dev.split()[0]}, batch {b} (8B, ctx {GPU_PLOT_CTX})")
                 drawn = True
+    cpu_colors = iter(plt.get_cmap("tab20b").colors[::2] + plt.get_cmap("tab20c").colors[::2])
     for p in result_files(results_dir):
         out = _read_json(p)
         cost, cfg = out.get("draft_cost"), out.get("config") or {}
         if not cost:
             continue
         price = _draft_price(cost)
-        ax.plot(list(price), list(price.values()), "--s", ms=3,
+        ax.plot(list(price), list(price.values()), "--s", ms=3, color=next(cpu_colors, None),
                 label=f"CPU {host_class(out)}, batch {cfg.get('batch_size')}, {cfg.get('dtype')} (135M)")
         drawn = True
     if not drawn:
@@ -734,7 +739,7 @@ def draw_gpu_plot(gpu_dir: str = GPU_RESULTS_DIR, results_dir: str = RESULTS_DIR
     ax.set_ylabel("step time / plain step")
     ax.axhline(1.0, color="gray", lw=0.8, ls=":")
     ax.set_title("What verifying L drafts costs")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

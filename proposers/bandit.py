@@ -453,8 +453,7 @@ class BanditTreeProposer(Proposer):
         fit = self.cost.fit(max(n, 1), self.context)
         if fit is None:
             return [1.0] * len(self.shapes)
-        a, b, jump = fit
-        return [a + b * n * (1 + self.nodes[i]) + jump * self.drafting[i] for i in range(len(self.shapes))]
+        return [fit.seconds(n * (1 + self.nodes[i])) + fit.jump * self.drafting[i] for i in range(len(self.shapes))]
 
     #: a row drafts its arm's whole shape, cut or not, every GATE_EXPLORE-th step (rows in turn):
     #: a class's rate changes only where its nodes are verified. Replayed over the held-out split at
@@ -475,13 +474,14 @@ class BanditTreeProposer(Proposer):
 
     def node_price(self, n: int) -> float:
         """Tokens one more verified node costs at batch `n`, at the rate of a step without
-        drafts: b * n / (a + b * n) from the cost fit (0 before any step was measured). A node pays
+        drafts: b * n / (a + b * n) from the cost fit, b the first draft's price (`Price.token`; 0
+        before any step was measured). A node pays
         where its chance of acceptance is above this (goodput's rule)."""
         fit = self.cost.fit(max(n, 1), self.context)
         if fit is None:
             return 0.0
-        a, b, _ = fit
-        return b * max(n, 1) / max(a + b * max(n, 1), 1e-12)
+        n = max(n, 1)
+        return fit.token(n) * n / max(fit.seconds(n), 1e-12)
 
     def rates(self, ctx: tuple) -> list[float | None]:
         """Tokens per second per request of each arm in context `ctx` at its bucket's batch size
@@ -670,11 +670,10 @@ class BanditTreeProposer(Proposer):
             return keep, reach
         if not self.row_gate:
             return {i: len(d) for i, _, _, d, _ in chains}, reach
-        a, b, jump = fit
         made, extra = price_cut([(-p, j, i) for i, ps in reach.items() for j, p in enumerate(ps)],
-                                keep, n, a, b, jump, nodes)
+                                keep, n, fit, nodes)
         extra -= nodes
-        if not nodes and (made - n) * (a + b * n) <= n * (b * extra + jump):
+        if not nodes and (made - n) * fit.seconds(n) <= n * (fit.more(n, extra) + fit.jump):
             return dict.fromkeys(keep, 0), reach
         if explore and extra and self.CHAIN_EXPLORE and self.steps % self.CHAIN_EXPLORE == 0:
             rows = [i for i, _, _, d, _ in chains if keep[i] < len(d)]
@@ -757,7 +756,7 @@ class BanditTreeProposer(Proposer):
         """Bandit state for metrics, logs and the benchmark's plots."""
         return {"shapes": [list(s) for s in self.shapes], "steps": self.steps,
                 "draft_seconds": self.draft_seconds,
-                "cost_a_b_p_c0_c1_e_s": None if self.cost.coef() is None else [float(x) for x in self.cost.coef()],
+                "cost_a_b_p_c0_c1_e_h_s": None if self.cost.coef() is None else [float(x) for x in self.cost.coef()],
                 "tables": {f"{kk}|{bucket}": {"pulls": t.pulls, "mean_reward": self.rates((kk, bucket))}
                            for (kk, bucket), t in self.tables.items()},
                 "history": [list(h) for h in self.history]}

@@ -6,9 +6,9 @@ verification adds. Both are measured, apart:
 * cost (`StepCost`): a step's seconds, from the end of one proposal to the start of the next
   (the engine's scheduling, the target's pass, sampling), fitted online as a + b * Q + p * P +
   a jump for any step that verifies drafts + e * the context read, Q the decoding rows' query
-  tokens (1 + drafts each), P the prefill tokens. b + e * context is the price of one more
-  verified token: ~0.8-1.2 ms on a ~24 ms batch-8 step here (2 CPU cores, bf16), near 0 on a
-  GPU's flat part.
+  tokens (1 + drafts each), P the prefill tokens, with a lower slope up to `KNEE` query tokens.
+  b + e * context is the price of one more verified token: ~0.8-1.2 ms on a ~24 ms batch-8 step
+  here (2 CPU cores, bf16), near 0 for the first few drafts at batch 1 and on a GPU's flat part.
 * acceptance (`AcceptModel`): each draft token carries a class from its proposer (where it came
   from, its depth, the drafter's confidence). The chance that a token is accepted once its
   parent was is learned per class from the verified drafts: over all requests (decayed counts
@@ -20,8 +20,9 @@ Each step the wrapped proposer drafts its full chains; a token's p is the produc
 and its ancestors' rates (its chance of acceptance). Over the whole batch, best p first, a token
 is kept while p > b * R, R = tokens the step makes / its predicted seconds with what is kept so
 far: the marginal token must make more than it costs at the step's own rate. On this CPU that
-is p > ~4% at batch 1 and ~40% at batch 8 (bf16); on a GPU it keeps everything until the cost
-curve bends. p falls along a chain, so what is kept is a prefix of each chain.
+is p > ~0 for the first drafts at batch 1 (up to the knee), ~4% past them, and ~40% at batch 8
+(bf16); on a GPU it keeps everything until the cost curve bends. p falls along a chain, so what
+is kept is a prefix of each chain.
 
 A proposer that costs next to nothing (a pool, a lookup: under 2% of a step) runs every step and
 the cut decides; it is asked for no deeper a chain than the cut could keep with this step's rates
@@ -70,7 +71,7 @@ import numpy as np
 from vllm_spec_plugins.scorers.tree import DraftTree
 
 from .base import Proposer, StepContext
-from .cost import StepCost, batch_bucket, continues, mean_context, step_features
+from .cost import Price, StepCost, batch_bucket, continues, mean_context, step_features
 
 #: depth index of the generic classes (a proposer without classes of its own): min(depth, DEPTHS) - 1
 DEPTHS = 4
@@ -178,18 +179,21 @@ def observe_chain(accept: AcceptModel, r, classes: list[int], chain: list[int] |
         accept.observe(r.req_id, classes[:j], j)
 
 
-def price_cut(items: list, keep, n: int, a: float, b: float, jump: float, extra: int = 0) -> tuple[float, int]:
+def price_cut(items: list, keep, n: int, price: Price, extra: int = 0) -> tuple[float, int]:
     """Goodput's cut: over `items` (-p, depth, row), best p first, a token is kept
-    (`keep[row] += 1`) while p > b * R, R = tokens the step makes (n rows + the kept tokens'
-    chances) over its predicted seconds a + b * (n + extra) + jump, `extra` the verified tokens
-    so far (`extra` to start with: priced already). p falls along a chain (rates <= 1), so what
-    is kept is a prefix of every chain. Returns (tokens the step is expected to make, `extra`
-    at the end)."""
+    (`keep[row] += 1`) while p > b * R, b its price (`Price.token`: the marginal seconds of one more
+    query token), R = tokens the step makes (n rows + the kept tokens' chances) over its predicted
+    seconds with the n + extra query tokens so far and the jump, `extra` the verified tokens so
+    far (`extra` to start with: priced already). p falls along a chain (rates <= 1), so what is
+    kept is a prefix of every chain; b * R only rises as tokens are kept (where the price past the
+    knee is not below the price before it: the cut then stops at its first loser). Returns
+    (tokens the step is expected to make, `extra` at the end)."""
     items.sort()
     made = float(n)
     for neg_p, _, i in items:
         p = -neg_p
-        if p * (a + b * (n + extra) + jump) <= b * made:     # p <= b * R: this and all after lose
+        q = n + extra
+        if p * (price.seconds(q) + price.jump) <= price.token(q) * made:   # p <= b * R: this and all after lose
             break
         keep[i] += 1
         made += p
@@ -302,14 +306,14 @@ class Goodput(Proposer):
         seconds, R_on = tokens per second of a drafting step, with the gain the cut expects
         scaled by `calibration`, the proposer's time and the verification); None below that.
         `optimistic`: the gain one standard error above its mean (`gain_bound`)."""
-        a, b, jump = fit
-        step = a + b * n
+        step = fit.seconds(n)
         if n * max(bucket["on_row_s"] - (bucket["off_row_s"] or 0.0), 0.0) <= self.cheap * step:
             return None
         gain = bucket["gain"] * self.calibration()
         if optimistic:
             gain = self.gain_bound(gain, bucket["n"])
-        return step, n * (1 + gain) / (step + b * n * bucket["kept"] + jump * bucket["frac"] + n * bucket["on_row_s"])
+        return step, n * (1 + gain) / (step + fit.more(n, n * bucket["kept"]) + fit.jump * bucket["frac"]
+                                       + n * bucket["on_row_s"])
 
     @staticmethod
     def gain_bound(gain: float, n: int) -> float:
@@ -337,16 +341,16 @@ class Goodput(Proposer):
             return "plain"
         if bucket["on_row_s"] is None or bucket["gain"] is None:
             return "probe"
-        fit = self.cost.fit(n, self.context) or (0.0, 0.0, 0.0)
+        fit = self.cost.fit(n, self.context) or Price(0.0, 0.0, 0.0)
         costly = self._costly(bucket, n, fit, optimistic=True)
         if costly is None:
             return "on"
         step, on = costly
-        jump = fit[2]
+        jump = fit.jump
         gain, verify = 0.0, 0.0
         if bucket["fb_gain"] is not None:    # off, the cheap part drafts alone (`propose_fallback`)
             gain = bucket["fb_gain"] * self.calibration()
-            verify = fit[1] * n * bucket["fb_kept"] + jump * bucket["fb_frac"]
+            verify = fit.more(n, n * bucket["fb_kept"]) + jump * bucket["fb_frac"]
         off = n * (1 + gain) / (step + n * (bucket["off_row_s"] or 0.0) + verify)
         if on >= off:
             if self.inner.propose_fallback is not None and bucket["since_fb"] >= (
@@ -388,7 +392,8 @@ class Goodput(Proposer):
         costly = self._costly(bucket, n, fit)
         if costly is None:
             return budget
-        price = (fit[1] + bucket["on_row_s"] / bucket["depth"]) * costly[1]
+        # a verified token priced where the rows' kept tokens usually end
+        price = (fit.token(n * (1 + bucket["kept"])) + bucket["on_row_s"] / bucket["depth"]) * costly[1]
         d = 1
         while d < budget and bucket["reach"][d] is not None and bucket["reach"][d] > price:
             d += 1
@@ -400,7 +405,8 @@ class Goodput(Proposer):
         """Chain length past which `_allocate` keeps nothing, whatever the tokens (0: nothing at
         all), from this step's rates: a token at depth j of a row has p <= top ** (j + 1), top
         that row's best rate of any class. The cut's price b * R only rises as tokens are kept,
-        so it is at least b * n / (a + b * n + jump): no token below it is kept. And drafting at
+        so it is at least b * n / (a + b * n + jump), b the cheapest draft's price
+        (`Price.cheapest`; a plain step's seconds a + b * n): no token below it is kept. And drafting at
         all pays only if the kept tokens' p * (a + b * n) - b * n add up past n * jump: where a
         verified token costs what a row's step does (kernels capped at AVX2, batch 8, here) no
         token can, and the proposer is not asked to draft: a step that drafts nothing costs next
@@ -409,8 +415,8 @@ class Goodput(Proposer):
         the full chains'."""
         if fit is None or not self._row_rates:
             return budget
-        a, b, jump = fit
-        plain, step = a + b * n, a + b * n + jump
+        b, plain, jump = fit.cheapest(n), fit.seconds(n), fit.jump
+        step = plain + jump
         if b <= 0 or plain <= 0:
             return budget
         price, deepest, net = b * n / step, 0, 0.0
@@ -543,7 +549,7 @@ class Goodput(Proposer):
         if mode == "probe":                  # a probe's seconds: both its steps, their jumps and scans
             fit = self.cost.fit(n, self.context)
             self._probe_s = (self._probe_s if self._probe is not None else 0.0) + draft_s + once \
-                + (fit[2] if fit else 0.0)
+                + (fit.jump if fit else 0.0)
             if self._probe is not None:
                 bucket["probe_s"] = self._probe_s
             self._probe = None if self._probe is not None else {r.req_id for r in sub.requests if r.sampled}
@@ -637,15 +643,15 @@ class Goodput(Proposer):
             self._reach = [0.0] * depth
             return keep
         self._reach = [x / max(rows, 1) for x in reach] + [0.0] * (depth - len(reach))   # mean per depth (`_depth`)
-        a, b, jump = self.cost.fit(n, self.context)
+        fit = self.cost.fit(n, self.context)
         # Best p first; ties go to the shallower token, then to the earlier row. Only the head of
         # the order is walked: the cut stops at the first token that does not pay.
-        made, extra = price_cut(items, keep, n, a, b, jump)
-        if (made - n) * (a + b * n) <= n * (b * extra + jump):   # drafting at all does not pay
+        made, extra = price_cut(items, keep, n, fit)
+        if (made - n) * fit.seconds(n) <= n * (fit.more(n, extra) + fit.jump):   # drafting at all does not pay
             return [0] * len(drafts)
         self._last_gain = made - n
         self._row_gain = {ctx.requests[i].req_id: chance[i][:keep[i]] for i in chance if keep[i]}
-        self._threshold = b * made / (a + b * (n + extra) + jump)
+        self._threshold = fit.token(n + extra) * made / (fit.seconds(n + extra) + fit.jump)
         if self.explore_every and self.steps % self.explore_every == 0 and extra:   # never pays the jump alone
             rows = [i for i, d in enumerate(drafts) if keep[i] < len(d) and _cuttable(ctx.requests[i], d)]
             if rows:
@@ -667,7 +673,7 @@ class Goodput(Proposer):
     def goodput_state(self) -> dict:
         """The cost fit, the learned global rates per class, and the drafter accounting."""
         w = self.cost.coef()
-        return {"cost_a_b_p_c0_c1_e_s": None if w is None else [float(x) for x in w],
+        return {"cost_a_b_p_c0_c1_e_h_s": None if w is None else [float(x) for x in w],
                 "rates": [round(x, 4) for x in self.accept.global_rate().tolist()],
                 "tries": [round(x, 1) for x in self.accept.tries.tolist()],
                 "buckets": {str(k): dict(v) for k, v in sorted(self.buckets.items())},

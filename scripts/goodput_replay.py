@@ -4,7 +4,7 @@ engine, with a step priced by a cost model instead of a model; the set's time ag
 Every step the target "returns" plain's next token where the prefix is plain's text (and noise
 elsewhere, so the Jacobi window learns nothing real: `lookahead` is replayed without what its own
 iterations would add). A step costs `--step-ms` + `--token-ms` per token it runs (rows + drafts)
-+ `--jump-ms` when it verifies any draft, on a simulated clock that goodput measures as it would
+past the first `--knee` + `--jump-ms` when it verifies any draft, on a simulated clock that goodput measures as it would
 a real one; with `--proposer-time` also the proposal's own seconds, measured here (Python
 lookups cost a model-free proposer of ours ~70 us a row at batch 8, which moves goodput's cut;
 arctic-inference's suffix tree costs a few). As in the plugin, no draft past a request's
@@ -119,7 +119,7 @@ def replay(method: str, sets: list, batch: int, cost: tuple, params: dict,
                 clock.t, clock.live = clock(), None
         prop.propose = timed
     eng = ToyEngine(prop, lambda prefix: table.get(prefix, hash(prefix) % 40000 + 5000))
-    step_s, token_s, jump_s = cost
+    step_s, token_s, jump_s, knee = cost
     out = []
     for s, (prompts, answers) in enumerate(sets):
         ids = [f"s{s}r{j}" for j in range(len(prompts))]
@@ -133,7 +133,7 @@ def replay(method: str, sets: list, batch: int, cost: tuple, params: dict,
                 eng.add(rid, p, len(a))
             n = sum(len(r.drafts or []) for r in eng.reqs.values())
             drafted += n
-            clock.t += step_s + token_s * (len(eng.reqs) + n) + (jump_s if n else 0.0)
+            clock.t += step_s + token_s * max(len(eng.reqs) + n - knee, 0) + (jump_s if n else 0.0)
             eng.step()
             for r in eng.reqs.values():     # as the plugin: no draft past max_tokens is verified
                 if isinstance(r.drafts, list):
@@ -157,6 +157,8 @@ def main():
     p.add_argument("--step-ms", type=float, default=73.5, help="a step's fixed cost")
     p.add_argument("--token-ms", type=float, default=3.0, help="per token a step runs")
     p.add_argument("--jump-ms", type=float, default=10.0, help="a step that verifies drafts, once")
+    p.add_argument("--knee", type=int, default=0,
+                   help="tokens a step runs for --step-ms alone (a flat start, as bf16 at batch 1 on a CPU)")
     p.add_argument("--sequence", action="store_true",
                    help="one proposer per method serves the categories in turn (as bench.py's engines do), so "
                         "what it learns across requests carries from one category to the next; default: a fresh "
@@ -178,9 +180,10 @@ def main():
     bargs = bench.parse_args(argv[next(i for i, a in enumerate(argv) if a.endswith("bench.py")) + 1:])
     groups, _ = bench.group_rows(bench.load_rows(bargs), [])
     tok = AutoTokenizer.from_pretrained(run["config"]["model"])
-    cost = (args.step_ms / 1000, args.token_ms / 1000, args.jump_ms / 1000)
+    cost = (args.step_ms / 1000, args.token_ms / 1000, args.jump_ms / 1000, args.knee)
     params = {"vocab_size": len(tok), **json.loads(args.config)}
-    print(f"batch {args.batch_size}; step {args.step_ms} ms + {args.token_ms} ms/token + {args.jump_ms} ms jump")
+    print(f"batch {args.batch_size}; step {args.step_ms} ms + {args.token_ms} ms/token past {args.knee} "
+          f"+ {args.jump_ms} ms jump")
     cats = list(outputs)
     sets = [(to_token_prompts(tok, groups[c]), [tok.encode(t[0], add_special_tokens=False) for t in outputs[c]])
             for c in cats]

@@ -85,7 +85,7 @@ def test_goodput_replay_prices_steps_on_its_own_clock():
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 2, [20, 21, 22, 23, 24, 25] * 3]
     answers = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 6, [20, 21, 22, 23, 24, 25] * 8]
     params = {"vocab_size": 100}
-    cheap = (0.05, 0.001, 0.002)
+    cheap = (0.05, 0.001, 0.002, 0)      # step, token, jump seconds; knee tokens
     [plain] = replay.replay("plain", [(prompts, answers)], 2, cheap, params)
     [la] = replay.replay("lookahead", [(prompts, answers)], 2, cheap, params)
     assert plain["tau"] == pytest.approx(1.0) and la["tau"] > 3 and la["seconds"] < plain["seconds"] / 2
@@ -104,7 +104,7 @@ def test_goodput_replay_sequence_carries_state_across_sets():
     first = ([[1, 2, 3]], [text])
     second = ([[4, 3, 2, 1]], [text])
     params = {"vocab_size": 100}
-    cheap = (0.05, 0.001, 0.002)
+    cheap = (0.05, 0.001, 0.002, 0)      # step, token, jump seconds; knee tokens
     [alone] = replay.replay("lookahead", [second], 1, cheap, params)
     after = replay.replay("lookahead", [first, second], 1, cheap, params)
     assert len(after) == 2 and after[1]["tau"] > alone["tau"] + 1

@@ -50,14 +50,22 @@ def run(make, n_req, max_tokens, fixed, per_token, target=None):
 
 
 def test_step_cost_recovers_a_line_and_ignores_one_stall():
-    rng = np.random.default_rng(0)
-    c = StepCost()
-    for i in range(400):
-        t = int(rng.integers(1, 64))
-        c.observe(t, 0.015 + 0.0004 * t + rng.normal(0, 0.0005))
-    c.observe(10, 5.0)                      # a stall
-    a, b, jump = c.fit()
-    assert a == pytest.approx(0.015, rel=0.1) and b == pytest.approx(0.0004, rel=0.1) and jump < 1e-4
+    """One line, a step's time for 1-63 tokens: the fit's two slopes (up to the knee, past it)
+    agree, as far as the few steps before the knee tell; one stall (here 250x a step, clamped at
+    3x the prediction) moves the predictions by a few percent, not the price."""
+    for stall in (False, True):
+        rng = np.random.default_rng(0)
+        c = StepCost()
+        for i in range(400):
+            t = int(rng.integers(1, 64))
+            c.observe(t, 0.015 + 0.0004 * t + rng.normal(0, 0.0005))
+        if stall:
+            c.observe(10, 5.0)
+        price = c.fit()
+        assert price.b + price.h == pytest.approx(0.0004, rel=0.1) and price.jump < 1e-4
+        assert abs(price.h) < (0.0006 if stall else 0.00015)
+        for t in (2, 8, 32, 63):
+            assert price.seconds(t) == pytest.approx(0.015 + 0.0004 * t, rel=0.08 if stall else 0.04)
 
 
 def test_step_cost_solve_matches_lapack():
@@ -76,7 +84,7 @@ def test_step_cost_without_token_variation_leans_on_its_prior():
     c = StepCost()
     for _ in range(50):
         c.observe(8, 0.032)
-    a, b, _ = c.fit()
+    a, b, _, _ = c.fit()
     assert b == pytest.approx(0.032 / 32, rel=0.01) and a + 8 * b == pytest.approx(0.032)
 
 
@@ -89,9 +97,36 @@ def test_step_cost_separates_the_speculation_jump():
         drafts = bool(rng.random() < 0.8)
         t = rows + (int(rng.integers(0, 4 * rows)) if drafts else 0)
         c.observe(t, 0.015 + 0.0004 * t + drafts * (0.0002 + 0.0002 * rows) + rng.normal(0, 0.0003), drafts, rows)
-    a, b, jump8 = c.fit(8)
-    assert b == pytest.approx(0.0004, rel=0.1)
+    a, b, jump8, h = c.fit(8)
+    assert b + h == pytest.approx(0.0004, rel=0.1)
     assert jump8 == pytest.approx(0.0002 + 0.0016, rel=0.15)
+
+
+def test_step_cost_prices_the_first_drafts_apart_past_the_knee():
+    """A step's time flat up to KNEE query tokens, then ~1 ms a token (bf16 at batch 1 here):
+    the fit prices the first drafts near 0 and the ones past the knee at the slope, and the cut
+    keeps unlikely drafts while they are free, not past. Where every step is past the knee
+    (batch 8), that slope prices every token, and the one before the knee stays near it."""
+    from vllm_spec_plugins.proposers.cost import KNEE
+    from vllm_spec_plugins.proposers.goodput import price_cut
+    rng = np.random.default_rng(5)
+    c = StepCost()
+    for i in range(400):
+        d = int(rng.integers(0, 17)) if i % 4 else 0
+        c.observe(1 + d, 0.024 + 0.001 * max(1 + d - KNEE, 0) + rng.normal(0, 0.0003), d > 0, 1)
+    price = c.fit(1)
+    assert price.b < 0.0002 and price.h == pytest.approx(0.001, rel=0.2) and price.jump < 0.0005
+    assert price.seconds(17) == pytest.approx(0.024 + 0.001 * (17 - KNEE), rel=0.03)
+    chances = [0.6, 0.3, 0.05, 0.03, 0.02, 0.02, 0.01]
+    keep = [0]
+    price_cut([(-p, j, 0) for j, p in enumerate(chances)], keep, 1, price)
+    assert keep == [KNEE - 1]                  # the free ones, however unlikely; none past the knee
+    past = StepCost()
+    for i in range(400):
+        q = 8 + (int(rng.integers(0, 25)) if i % 4 else 0)
+        past.observe(q, 0.024 + 0.001 * q + rng.normal(0, 0.0003), q > 8, 8)
+    price = past.fit(8)
+    assert price.b + price.h == pytest.approx(0.001, rel=0.1) and abs(price.h) < 0.0002
 
 
 def test_step_cost_prices_context_apart_from_tokens():
@@ -112,9 +147,9 @@ def test_step_cost_prices_context_apart_from_tokens():
         s = 0.015 + 0.0004 * t + 0.0005 * kv + bool(drafts) * 0.0003 * rows + rng.normal(0, 0.0003)
         c.observe(t, s, bool(drafts), rows, kv)
         flat.observe(t, s, bool(drafts), rows)
-    a, b, _ = c.fit(8)
+    a, b, _, _ = c.fit(8)
     assert b == pytest.approx(0.0004, rel=0.15) and c.weights()[5] == pytest.approx(0.0005, rel=0.1)
-    _, b_long, _ = c.fit(8, context=1500)
+    _, b_long, _, _ = c.fit(8, context=1500)
     assert b_long == pytest.approx(0.0004 + 0.0005 * 1.5, rel=0.1)
     for ctx in (200, 1500):   # 8 rows, 2 drafts each, at either context
         want = 0.015 + 0.0004 * 24 + 0.0005 * 24 * ctx / KV_UNIT + 0.0003 * 8
@@ -143,10 +178,10 @@ def test_step_cost_prices_prefill_tokens_apart_from_verified_ones():
         s = 0.015 + 0.0012 * (rows + sum(drafts)) + 0.0006 * prefill + rng.normal(0, 0.0003)
         c.observe(seconds=s, **f)
         alike.observe(f["tokens"], s, f["drafts"], rows)
-    a, b, jump = c.fit(8)
+    a, b, jump, _ = c.fit(8)
     assert a == pytest.approx(0.015, rel=0.1) and b == pytest.approx(0.0012, rel=0.1) and jump < 2e-4
     assert c.weights()[2] == pytest.approx(0.0006, rel=0.1)
-    _, b_alike, jump_alike = alike.fit(8)
+    _, b_alike, jump_alike, _ = alike.fit(8)
     assert b_alike < 0.8 * 0.0012 and jump_alike > 1e-3       # the confounded fit this replaces
 
 
@@ -228,16 +263,22 @@ def test_the_cut_is_its_per_token_definition():
     """Over random batches (coarse rates: many equal chances, rows without drafts, a tree row):
     what `_allocate` keeps is what walking every row's tokens best chance first (ties: the
     shallower token, then the earlier row) keeps while p * (step seconds with it) > b * tokens
-    made so far. Walking rows before chances, or a threshold without the tokens the kept drafts
-    make, fails it."""
+    made so far, b the price of the next query token (flat up to the knee, dearer past it).
+    Walking rows before chances, a threshold without the tokens the kept drafts make, or one
+    price for every token, fails it."""
+    from vllm_spec_plugins.proposers.cost import KNEE
     from vllm_spec_plugins.scorers.tree import DraftTree
     rng = np.random.default_rng(1)
     classes_n = 6
     g = Goodput(Proposer(8), explore_every=0)
     g.accept = AcceptModel(np.full(classes_n, 0.5))
-    for _ in range(64):                        # a fit with a plain and a drafting regime
-        g.cost.observe(8 + int(rng.integers(0, 24)), 0.02 + 0.001 * rng.integers(0, 24), drafts=True, rows=8)
-        g.cost.observe(8, 0.02, rows=8)
+    for _ in range(64):                        # a fit with a plain and a drafting regime, flat then steep
+        rows = int(rng.integers(1, 9))
+        q = rows + int(rng.integers(0, 24))
+        g.cost.observe(q, 0.02 + 0.0002 * q + 0.003 * max(q - KNEE, 0) + 0.0005 * rng.random(), drafts=True, rows=rows)
+        g.cost.observe(rows, 0.02 + 0.0002 * rows + 0.003 * max(rows - KNEE, 0), rows=rows)
+    a, b, jump, h = g.cost.fit(8)
+    assert h > 2 * b > 0                       # the walk crosses a knee
     checked = 0
     for trial in range(200):
         n = int(rng.integers(1, 9))
@@ -262,15 +303,18 @@ def test_the_cut_is_its_per_token_definition():
                 p *= float(g.accept.rates(f"r{i}", glob)[x])
                 cand.append((p, j, i))
         cand.sort(key=lambda x: (-x[0], x[1]))
-        a, b, jump = g.cost.fit(n, g.context)
+        a, b, jump, h = g.cost.fit(n, g.context)
+
+        def seconds(q):
+            return a + b * q + h * max(q - KNEE, 0)
         want, made, extra = [0] * n, float(n), 0
         for p, j, i in cand:
-            if p * (a + b * (n + extra) + jump) <= b * made:
+            if p * (seconds(n + extra) + jump) <= (seconds(n + extra + 1) - seconds(n + extra)) * made:
                 break
             want[i] += 1
             made += p
             extra += 1
-        if (made - n) * (a + b * n) <= n * (b * extra + jump):
+        if (made - n) * seconds(n) <= n * (seconds(n + extra) - seconds(n) + jump):
             want = [0] * n
         assert keep == want, (trial, keep, want)
         checked += sum(want) > 0

@@ -13,8 +13,10 @@ not depend on this host's verification cost. The JSON records the host (CPU mode
 torch / vLLM versions), the git commit and the command line.
 
 Each method runs in its own process (same prompts, same settings). Per category it reports
-tokens/s, speedup vs plain, tau (generated tokens per target step), per-position acceptance from
-vLLM's own vllm:spec_decode_* counters, and (greedy) whether the output equals plain vLLM's.
+tokens/s, speedup vs plain, tau (generated tokens per target step: from the engine's steps at batch
+1 under --lockstep, else from vLLM's accepted-token counter, which also takes the drafts a request
+accepts past its end and so overstates vLLM's ngram and suffix a little), per-position acceptance
+from vLLM's own vllm:spec_decode_* counters, and (greedy) whether the output equals plain vLLM's.
 In bf16 a mismatch is classified: the target's top-2 logprob margin at the first differing token
 tells a numerical near-tie from a bug.
 """

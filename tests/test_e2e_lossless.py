@@ -137,6 +137,26 @@ def test_engine_process_serves_turns(default_model, heldout_prompts, plain):
     assert all(0 < x <= b["seconds"] for x in lat)
 
 
+def test_lockstep_tau_at_batch_1_is_the_engines_steps(default_model, heldout_prompts):
+    """At batch 1 a lockstep set's tau is its generated tokens over the engine's steps (one
+    request a step), for vLLM's own methods too: vLLM's counter of accepted drafts also takes
+    the ones a request accepts past its end, which the engine drops, so generated / (generated
+    - accepted) can only overstate it."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    eng = EngineProcess(_job(default_model, [], spec, 1, lockstep=True))
+    try:
+        eng.start("all", heldout_prompts[:3])
+        steps = 1
+        while eng.step()["more"]:
+            steps += 1
+        b = eng.done()
+    finally:
+        eng.close()
+    assert b["steps"] == steps and b["accepted"] > 0
+    assert b["tau"] == pytest.approx(b["generated_tokens"] / steps) and b["tau"] > 1.0
+    assert b["generated_tokens"] - b["accepted"] <= steps
+
+
 def test_paused_clock_skips_the_waits():
     from vllm_spec_plugins.tools.runner import PausedClock
     t = iter([0.0, 1.0, 3.0, 3.5]).__next__

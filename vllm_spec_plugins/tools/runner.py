@@ -184,6 +184,12 @@ class _Engine:
         """The set's measurements, with its engine steps and each request's latency: the seconds
         from the set's start (all its requests arrive at once) to the step that finished it."""
         g = self._end(self._prompts, [self._outs[rid] for rid in self._ids], self._seconds)
+        if self.job.get("batch_size", 1) == 1 and self._steps:
+            # One request a step: the engine's steps are its target steps, and tau is exact.
+            # From vLLM's counter it is not for every method: the counter also takes the drafts
+            # a request accepts past its end (max_tokens, end of sequence), which the engine
+            # drops (vLLM's ngram and suffix draft past max_tokens; ours do not).
+            g["tau"] = g["generated_tokens"] / self._steps
         return g | {"steps": self._steps, "request_seconds": [self._finished_s[rid] for rid in self._ids]}
 
     def _end(self, prompts: list, outs: list, dt: float) -> dict:

@@ -756,7 +756,7 @@ class BanditTreeProposer(Proposer):
         """Bandit state for metrics, logs and the benchmark's plots."""
         return {"shapes": [list(s) for s in self.shapes], "steps": self.steps,
                 "draft_seconds": self.draft_seconds,
-                "cost_a_b_p_c0_c1_e_h_s": None if self.cost.coef() is None else [float(x) for x in self.cost.coef()],
+                "cost_a_b_p_c0_c1_e_b2_s": None if self.cost.coef() is None else [float(x) for x in self.cost.coef()],
                 "tables": {f"{kk}|{bucket}": {"pulls": t.pulls, "mean_reward": self.rates((kk, bucket))}
                            for (kk, bucket), t in self.tables.items()},
                 "history": [list(h) for h in self.history]}

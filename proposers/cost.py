@@ -105,9 +105,9 @@ class StepCost:
         self.bend = bend                       # on b' - b: one line until the data show a knee
         n = self.N_FEATURES
         # Plain lists, not numpy: this runs between two forward passes, where code and data the
-        # pass evicted make tiny library calls dear. In the engine numpy's LAPACK solve of the
-        # 6x6 system (before h) took 80-100 us a step (~5 us timed alone), `solve_spd` ~60 us; the rank-one
-        # update below half what numpy's took there.
+        # pass evicted make tiny library calls dear. In the engine numpy's LAPACK solve of a 6x6
+        # system like this one took 80-100 us a step (~5 us timed alone), `solve_spd` ~60 us; the
+        # rank-one update below half what numpy's took there.
         self.xtx = [[0.0] * n for _ in range(n)]
         self.xty = [0.0] * n
         self.n = 0

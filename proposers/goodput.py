@@ -671,9 +671,10 @@ class Goodput(Proposer):
         self.inner.clock = clock
 
     def goodput_state(self) -> dict:
-        """The cost fit, the learned global rates per class, and the drafter accounting."""
+        """The cost fit (`StepCost.coef`: b2 the price of a verified token past `KNEE`), the learned
+        global rates per class, and the drafter accounting."""
         w = self.cost.coef()
-        return {"cost_a_b_p_c0_c1_e_h_s": None if w is None else [float(x) for x in w],
+        return {"cost_a_b_p_c0_c1_e_b2_s": None if w is None else [float(x) for x in w],
                 "rates": [round(x, 4) for x in self.accept.global_rate().tolist()],
                 "tries": [round(x, 1) for x in self.accept.tries.tolist()],
                 "buckets": {str(k): dict(v) for k, v in sorted(self.buckets.items())},

@@ -61,7 +61,7 @@ from dataclasses import dataclass, replace
 
 from .base import BuildEnv, MethodConfig, Proposer, RequestStep, StepContext, check_prompt_lookup, key
 from .cost import StepCost, batch_bucket, continues, mean_context, step_features
-from .goodput import SHADOW_EVERY, AcceptModel, chances, observe_chain, price_cut
+from .goodput import SHADOW_EVERY, AcceptModel, chances, drafting_pays, observe_chain, price_cut
 from .lookahead import SHARED_POOL_HELP, LookaheadConfig, LookaheadProposer, _select, shaped_tree
 
 logger = logging.getLogger("vllm_spec_plugins")
@@ -673,7 +673,7 @@ class BanditTreeProposer(Proposer):
         made, extra = price_cut([(-p, j, i) for i, ps in reach.items() for j, p in enumerate(ps)],
                                 keep, n, fit, nodes)
         extra -= nodes
-        if not nodes and (made - n) * fit.seconds(n) <= n * (fit.more(n, extra) + fit.jump):
+        if not nodes and not drafting_pays(fit, n, made, extra):
             return dict.fromkeys(keep, 0), reach
         if explore and extra and self.CHAIN_EXPLORE and self.steps % self.CHAIN_EXPLORE == 0:
             rows = [i for i, _, _, d, _ in chains if keep[i] < len(d)]

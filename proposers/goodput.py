@@ -201,6 +201,13 @@ def price_cut(items: list, keep, n: int, price: Price, extra: int = 0) -> tuple[
     return made, extra
 
 
+def drafting_pays(price: Price, n: int, made: float, extra: int) -> bool:
+    """Whether a step of n rows that verifies `extra` drafts, expected to make `made` tokens, beats
+    a plain step's rate once its drafts and jump are paid: (made - n) * plain seconds > n * the
+    seconds the drafts add."""
+    return (made - n) * price.seconds(n) > n * (price.more(n, extra) + price.jump)
+
+
 def generic_classes(n: int) -> list[int]:
     """Classes by depth alone, for proposers that give none."""
     return [min(j, DEPTHS - 1) for j in range(n)]
@@ -647,7 +654,7 @@ class Goodput(Proposer):
         # Best p first; ties go to the shallower token, then to the earlier row. Only the head of
         # the order is walked: the cut stops at the first token that does not pay.
         made, extra = price_cut(items, keep, n, fit)
-        if (made - n) * fit.seconds(n) <= n * (fit.more(n, extra) + fit.jump):   # drafting at all does not pay
+        if not drafting_pays(fit, n, made, extra):
             return [0] * len(drafts)
         self._last_gain = made - n
         self._row_gain = {ctx.requests[i].req_id: chance[i][:keep[i]] for i in chance if keep[i]}

@@ -13,10 +13,11 @@ not depend on this host's verification cost. The JSON records the host (CPU mode
 torch / vLLM versions), the git commit and the command line.
 
 Each method runs in its own process (same prompts, same settings). Per category it reports
-tokens/s, speedup vs plain, tau (generated tokens per target step: from the engine's steps at batch
-1 under --lockstep, else from vLLM's accepted-token counter, which also takes the drafts a request
-accepts past its end and so overstates vLLM's ngram and suffix a little), per-position acceptance
-from vLLM's own vllm:spec_decode_* counters, and (greedy) whether the output equals plain vLLM's.
+tokens/s, speedup vs plain, tau (generated tokens per target step: under --lockstep each request's
+target steps are counted; else they come from vLLM's accepted-token counter, which also takes the
+drafts a request accepts past its end and so overstates vLLM's ngram and suffix a little),
+per-position acceptance from vLLM's own vllm:spec_decode_* counters, and (greedy) whether the
+output equals plain vLLM's.
 In bf16 a mismatch is classified: the target's top-2 logprob margin at the first differing token
 tells a numerical near-tie from a bug.
 """
@@ -563,6 +564,8 @@ def summarize(res: dict, plain: dict, greedy: bool) -> dict:
                                  "generated_tokens", "seconds")}
         if "steps" in g:            # --lockstep: engine steps, for the mean seconds of one
             row["engine_steps"] = g["steps"]
+        if "target_steps" in g:     # --lockstep: the requests' target steps, tau's denominator
+            row["target_steps"] = g["target_steps"]
         if "goodput" in g:          # goodput's cost fit, buckets and counters at the category's end
             row["goodput"] = g["goodput"]
         row["speedup_vs_plain"] = g["tokens_per_s"] / p["tokens_per_s"] if p["tokens_per_s"] else 0.0

@@ -137,24 +137,34 @@ def test_engine_process_serves_turns(default_model, heldout_prompts, plain):
     assert all(0 < x <= b["seconds"] for x in lat)
 
 
-def test_lockstep_tau_at_batch_1_is_the_engines_steps(default_model, heldout_prompts):
-    """At batch 1 a lockstep set's tau is its generated tokens over the engine's steps (one
-    request a step), for vLLM's own methods too: vLLM's counter of accepted drafts also takes
-    the ones a request accepts past its end, which the engine drops, so generated / (generated
-    - accepted) can only overstate it."""
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    eng = EngineProcess(_job(default_model, [], spec, 1, lockstep=True))
+@pytest.mark.parametrize("method,batch", [("ngram", 1), ("ngram", 4), ("lookahead", 4)])
+def test_lockstep_tau_counts_each_requests_target_steps(default_model, heldout_prompts, method, batch):
+    """A lockstep set's tau is its generated tokens over its requests' target steps, counted per
+    request. vLLM's counter of accepted drafts also takes the ones a request accepts past its end,
+    which the engine drops (vLLM's ngram drafts past max_tokens), so generated / (generated -
+    accepted) can only overstate it; for a method of ours, which drafts nothing past a request's
+    end, the two agree. At batch 1 the target steps are the engine's."""
+    spec = ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+            if method == "ngram" else {"method": "lookahead", "num_speculative_tokens": 4, "goodput": False})
+    eng = EngineProcess(_job(default_model, [], spec, batch, lockstep=True))
     try:
-        eng.start("all", heldout_prompts[:3])
+        eng.start("all", heldout_prompts[:2 * batch + 1])
         steps = 1
         while eng.step()["more"]:
             steps += 1
         b = eng.done()
     finally:
         eng.close()
+    n, counted = b["generated_tokens"], b["target_steps"]
     assert b["steps"] == steps and b["accepted"] > 0
-    assert b["tau"] == pytest.approx(b["generated_tokens"] / steps) and b["tau"] > 1.0
-    assert b["generated_tokens"] - b["accepted"] <= steps
+    assert b["tau"] == pytest.approx(n / counted) and b["tau"] > 1.0
+    assert steps <= counted <= steps * batch
+    if batch == 1:
+        assert counted == steps
+    if method == "ngram":
+        assert n - b["accepted"] <= counted
+    else:
+        assert n - b["accepted"] == counted
 
 
 def test_paused_clock_skips_the_waits():

@@ -162,8 +162,11 @@ class _Engine:
         self._n_started += 1
         self._prompts, self._outs, self._seconds, self._steps = prompts, {}, 0.0, 0
         self._finished_s: dict[str, float] = {}      # request id -> the set's seconds when it finished
+        # the engine's id of each request -> [its id here, output tokens seen, target steps]
+        self._made: dict[str, list] = {}
         for rid, p in zip(self._ids, prompts):
-            self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
+            inner = self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
+            self._made[inner if isinstance(inner, str) else rid] = [rid, 0, 0]
 
     def step(self) -> dict:
         """One engine step of the started set: {"more": requests left, "s": its seconds}; the set's
@@ -174,22 +177,42 @@ class _Engine:
         dt = time.perf_counter() - t0
         self._seconds += dt
         self._steps += 1
+        self._count_target_steps(outs)
         for o in outs:
             if o.finished:
                 self._outs[o.request_id] = o
                 self._finished_s[o.request_id] = self._seconds
         return {"more": eng.has_unfinished_requests(), "s": dt}
 
+    def _count_target_steps(self, outs) -> None:
+        """Each request's target steps, exactly: a step that decodes a request gives it one token
+        or more (its accepted drafts and the target's own), so its steps are the steps after
+        which it holds more output tokens than before. vLLM's accepted-draft counter cannot give
+        them: it also takes the drafts a request accepts past its end (max_tokens, end of
+        sequence), which the engine drops (vLLM's ngram and suffix draft past max_tokens; ours do
+        not). Read from the in-process scheduler (the engine's own process: `ENGINE_ENV`); a
+        request that finished has left it, and its final output tells."""
+        core = getattr(getattr(self.llm.llm_engine, "engine_core", None), "engine_core", None)
+        requests = getattr(getattr(core, "scheduler", None), "requests", None)
+        if requests is None:
+            self._made = None                  # not countable here: tau from vLLM's counter
+        if self._made is None:
+            return
+        ends = {o.request_id: len(o.outputs[0].token_ids) for o in outs if o.finished and len(o.outputs) == 1}
+        for inner, m in self._made.items():
+            req = requests.get(inner)
+            n = req.num_output_tokens if req is not None else ends.get(m[0], m[1])
+            if n > m[1]:
+                m[1], m[2] = n, m[2] + 1
+
     def done(self) -> dict:
-        """The set's measurements, with its engine steps and each request's latency: the seconds
-        from the set's start (all its requests arrive at once) to the step that finished it."""
+        """The set's measurements, with its engine steps, each request's latency (the seconds from
+        the set's start, when all its requests arrive, to the step that finished it) and, where
+        they were counted (`_count_target_steps`), its target steps: tau is then exact."""
         g = self._end(self._prompts, [self._outs[rid] for rid in self._ids], self._seconds)
-        if self.job.get("batch_size", 1) == 1 and self._steps:
-            # One request a step: the engine's steps are its target steps, and tau is exact.
-            # From vLLM's counter it is not for every method: the counter also takes the drafts
-            # a request accepts past its end (max_tokens, end of sequence), which the engine
-            # drops (vLLM's ngram and suffix draft past max_tokens; ours do not).
-            g["tau"] = g["generated_tokens"] / self._steps
+        if self._made is not None and all(m[1] == len(self._outs[m[0]].outputs[0].token_ids)
+                                          for m in self._made.values()):
+            g = _with_rates(g | {"target_steps": sum(m[2] for m in self._made.values())})
         return g | {"steps": self._steps, "request_seconds": [self._finished_s[rid] for rid in self._ids]}
 
     def _end(self, prompts: list, outs: list, dt: float) -> dict:
@@ -241,6 +264,9 @@ def merge_groups(a: dict, b: dict) -> dict:
             out[k] = a[k] + b[k]
     for k in ("seconds", "generated_tokens", "drafts", "draft_tokens", "accepted", "preemptions"):
         out[k] = a[k] + b[k]
+    out.pop("target_steps", None)
+    if "target_steps" in a and "target_steps" in b:      # exact only where both sets were counted
+        out["target_steps"] = a["target_steps"] + b["target_steps"]
     pa, pb = a["accepted_per_pos"], b["accepted_per_pos"]
     out["accepted_per_pos"] = [x + y for x, y in zip(pa + [0] * (len(pb) - len(pa)), pb + [0] * (len(pa) - len(pb)))]
     if "plugin_stats" in a:
@@ -256,9 +282,11 @@ def tau_of(generated: float, accepted: float) -> float:
 
 
 def _with_rates(g: dict) -> dict:
-    """tokens_per_s and tau of a group from its counts."""
-    n = g["generated_tokens"]
-    return g | {"tokens_per_s": n / g["seconds"] if g["seconds"] else 0.0, "tau": tau_of(n, g["accepted"])}
+    """tokens_per_s and tau of a group from its counts: tau from its target steps where they were
+    counted (`_Engine._count_target_steps`), else from vLLM's accepted-draft counter (`tau_of`)."""
+    n, steps = g["generated_tokens"], g.get("target_steps")
+    tau = n / steps if steps else tau_of(n, g["accepted"])
+    return g | {"tokens_per_s": n / g["seconds"] if g["seconds"] else 0.0, "tau": tau}
 
 
 def _generate_with_aborts(llm, prompts, params, after_steps: int, indices: list[int]):

@@ -232,6 +232,20 @@ def _warm(cfg: dict) -> str:
     return "**cold**: no warm-up, each engine measured from its first request"
 
 
+def _tau_source(results: dict) -> str:
+    """How the run counted tau: each request's target steps (`target_steps`, bench.py --lockstep)
+    or vLLM's accepted-draft counter, which overstates vLLM's own methods (it also counts the
+    drafts a request accepts past its end; vLLM's ngram and suffix draft past max_tokens)."""
+    rows = [r for m, cats in results.items() if m != "plain" for r in cats.values() if isinstance(r, dict)]
+    if rows and all("target_steps" in r for r in rows):
+        return "generated tokens over each request's target steps, counted"
+    out = "from vLLM's accepted-draft counter (target steps: generated tokens less accepted drafts)"
+    if {"ngram", "suffix"} & set(results):
+        out += ("; it also counts the drafts a request accepts past its end, so it overstates vLLM's `ngram` "
+                "and `suffix` a little (ours draft nothing past it)")
+    return out
+
+
 def _mode(cfg: dict) -> str:
     if cfg.get("lockstep"):
         k = 1 if cfg["lockstep"] is True else cfg["lockstep"]     # True: one step a turn
@@ -308,7 +322,8 @@ def render_result(name: str, out: dict, plot: str | None = None) -> str:
               f"{cfg.get('threads', NOT_RECORDED)} threads per engine"
               + ("; `enforce_eager`" if cfg.get("eager") else ""),
               f"- cold/warm: {_warm(cfg)}",
-              f"- engines: {_mode(cfg)}", ""]
+              f"- engines: {_mode(cfg)}",
+              f"- tau: {_tau_source(results)}", ""]
     plain = results["plain"]
     head = ["method"] + [f"{c}: x plain | {c}: tau" for c in cats] + ["greedy output vs plain"]
     lines += ["| " + " | ".join(head) + " |",

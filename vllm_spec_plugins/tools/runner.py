@@ -78,6 +78,12 @@ def run(job: dict) -> dict:
     return eng.finish()
 
 
+def _scheduler(llm):
+    """The engine's scheduler, where the engine core runs in this process (`ENGINE_ENV`), else None."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    return getattr(core, "scheduler", None)
+
+
 def _params(sp: dict, category: str | None):
     """SamplingParams of one request; `category` goes to extra_args (a key for bandit_tree's scope)."""
     from vllm import SamplingParams
@@ -117,7 +123,7 @@ class _Engine:
             llm.generate([TokensPrompt(prompt_token_ids=p) for p in to_token_prompts(tok, job["warm"])],
                          [_params(sp, r.get("category") if tag else None) for r in job["warm"]], use_tqdm=False)
             if slots > batch:   # measured at batch_size: vLLM's admission cap (in-process engine)
-                llm.llm_engine.engine_core.engine_core.scheduler.max_num_active_reqs = batch
+                _scheduler(llm).max_num_active_reqs = batch
         mode = getattr(getattr(llm.llm_engine, "vllm_config", None), "compilation_config", None)
         self._n_started = 0
         self.result = {"startup_s": startup, "groups": {},
@@ -162,11 +168,14 @@ class _Engine:
         self._n_started += 1
         self._prompts, self._outs, self._seconds, self._steps = prompts, {}, 0.0, 0
         self._finished_s: dict[str, float] = {}      # request id -> the set's seconds when it finished
-        # the engine's id of each request -> [its id here, output tokens seen, target steps]
-        self._made: dict[str, list] = {}
+        # the engine's id of each request -> [its id here, output tokens seen, target steps]; None
+        # where the scheduler is out of reach (`_count_target_steps`: tau from vLLM's counter)
+        self._queued = getattr(_scheduler(self.llm), "requests", None)
+        self._made: dict[str, list] | None = {} if self._queued is not None else None
         for rid, p in zip(self._ids, prompts):
             inner = self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
-            self._made[inner if isinstance(inner, str) else rid] = [rid, 0, 0]
+            if self._made is not None:
+                self._made[inner if isinstance(inner, str) else rid] = [rid, 0, 0]
 
     def step(self) -> dict:
         """One engine step of the started set: {"more": requests left, "s": its seconds}; the set's
@@ -192,12 +201,9 @@ class _Engine:
         sequence), which the engine drops (vLLM's ngram and suffix draft past max_tokens; ours do
         not). Read from the in-process scheduler (the engine's own process: `ENGINE_ENV`); a
         request that finished has left it, and its final output tells."""
-        core = getattr(getattr(self.llm.llm_engine, "engine_core", None), "engine_core", None)
-        requests = getattr(getattr(core, "scheduler", None), "requests", None)
-        if requests is None:
-            self._made = None                  # not countable here: tau from vLLM's counter
         if self._made is None:
             return
+        requests = self._queued
         ends = {o.request_id: len(o.outputs[0].token_ids) for o in outs if o.finished and len(o.outputs) == 1}
         for inner, m in self._made.items():
             req = requests.get(inner)

@@ -9,7 +9,9 @@ keeps, best first, at most `widths[d]` nodes at depth d+1 (`shaped_tree`). The f
 (`shape_family`) runs from no speculation at all, through plain chains, to wide-then-narrow
 trees within the node budget. With the lookahead pool a chain arm drafts `lookahead`'s chain
 form and cuts it per token as `goodput` does (`_chain_keep`): one chain, as deep as the deepest
-shape, stands for every depth, since the cut sets each row's length from its tokens' chances.
+shape, stands for every depth, since the cut sets each row's length from its tokens' chances;
+the cut is the back-off too (nothing is kept where drafting does not pay), so there "no
+speculation" is not chosen, only pulled to keep a plain step's cost measured.
 
 The bandit is discounted UCB (Garivier & Moulines 2011) over that family, one table per
 context = (traffic key, batch-size bucket). An arm's value is tokens per second per request
@@ -211,7 +213,9 @@ class BanditTreeConfig(MethodConfig):
                        "one shape = fixed")
     batch_node_budget: int = key(64, 1, 1 << 16, "draft nodes per step across the batch: shapes over "
                                  "budget/batch_size nodes are not tried")
-    backoff: bool = key(True, help="include the no-speculation arm in the generated family")
+    backoff: bool = key(True, help="include the no-speculation arm in the generated family (with drafter "
+                        "'lookahead' and row_gate, pulled only for the cost fit's plain steps: the chain arm, cut "
+                        "per token, drafts nothing where drafting does not pay)")
     scope: str = key("global", help="bandit tables: 'global', 'request', or 'field:NAME' "
                      "(SamplingParams.extra_args[NAME])")
     exploration: float = key(0.05, 0.0, 10.0, "UCB exploration weight c (times the best mean reward)")
@@ -355,6 +359,13 @@ class BanditTreeProposer(Proposer):
         #: host's cost model): batch 8 2.8% faster (chat 1.4%, code 1.7%, summaries 5.9%), batch 1
         #: within 0.2%
         self.chain_arms = {i for i, sh in enumerate(self.shapes) if sh and max(sh) == 1} if drafter is None else set()
+        #: with the cut (`row_gate`), a chain arm drafts nothing where drafting does not pay: it is
+        #: the back-off, and "no speculation" is pulled only for the cost fit's plain steps. Chosen
+        #: beside the chain arm, "no speculation" held the first hundreds of batch-8 steps of
+        #: categories that repeat their source (served at batch 8; replayed with step-time noise:
+        #: tau on summaries 1.42 against 2.1-2.3), while the chain arm was priced at the nodes it
+        #: drafted when last pulled
+        self.backoff_by_cut = bool(self.chain_arms) and self.row_gate and self.none_arm is not None
         self.accept = AcceptModel(LookaheadProposer.class_prior)
         #: req id -> (classes, tokens) of the chain drafted for it last step: what was handed out
         #: (tokens None) or, for a greedy row, that and the first token cut, or a chain arm's
@@ -523,8 +534,9 @@ class BanditTreeProposer(Proposer):
         # a step without drafts now and then keeps the cost fit's jump measured
         plain = self.none_arm is not None and self.cost.n > 0 and self.cost.plain_weight < 0.5
         w = self.cost.weights() or UNIT
-        arms = {kk: self.table((kk, bucket)).choose(price, self.allowed(bucket), w) for kk in keys}
-        if plain and all(self.table((kk, bucket)).nres[self.none_arm] > 0 for kk in keys):
+        choosable = [a for a in self.allowed(bucket) if not (self.backoff_by_cut and a == self.none_arm)]
+        arms = {kk: self.table((kk, bucket)).choose(price, choosable, w) for kk in keys}
+        if plain and (self.backoff_by_cut or all(self.table((kk, bucket)).nres[self.none_arm] > 0 for kk in keys)):
             arms = dict.fromkeys(keys, self.none_arm)
         if self.sync is not None:
             arms = self.sync(arms)

@@ -635,21 +635,41 @@ def print_table(results, cats):
 
 
 ENGINE_GIB = 2.2   # one interleaved CPU engine of the 135M target, 1 GiB KV cache (measured: 10 used ~22 GiB)
+#: what engines that are up grow by while they serve (pools, allocator): 10 engines that came up
+#: within 24 GiB filled it an hour later, and the host reclaimed pages in every step
+GROWTH_GIB = 2.0
+#: below this much available memory a run's step times are the host's page reclaim, not the methods'
+LOW_MEMORY_GIB = 0.5
+
+
+def available_gib(meminfo: str = "/proc/meminfo") -> float | None:
+    try:
+        return next(int(x.split()[1]) for x in open(meminfo) if x.startswith("MemAvailable:")) / 2**20
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def warn_memory(engines: int, meminfo: str = "/proc/meminfo") -> bool:
     """--interleave and --lockstep keep every engine up at once: say so before minutes of start-up end in
-    vLLM's "available memory ... less than requested" on the last engine. True if warned."""
-    try:
-        avail = next(int(x.split()[1]) for x in open(meminfo) if x.startswith("MemAvailable:")) / 2**20
-    except (OSError, StopIteration, ValueError):
+    vLLM's "available memory ... less than requested" on the last engine, or in a run the host spends
+    reclaiming pages. True if warned."""
+    avail = available_gib(meminfo)
+    if avail is None or engines * ENGINE_GIB + GROWTH_GIB <= avail:
         return False
-    if engines * ENGINE_GIB <= avail:
-        return False
-    print(f"warning: {engines} engines start at once, ~{ENGINE_GIB} GiB each here "
-          f"({engines * ENGINE_GIB:.0f} GiB), and {avail:.1f} GiB is available: the last ones may fail "
-          f"to allocate their KV cache; run fewer methods (or --sweep shapes) per invocation", file=sys.stderr)
+    print(f"warning: {engines} engines start at once, ~{ENGINE_GIB} GiB each here and growing "
+          f"(~{engines * ENGINE_GIB + GROWTH_GIB:.0f} GiB), and {avail:.1f} GiB is available: the last ones may "
+          f"fail to allocate their KV cache, or the run may end void (short of memory); run fewer methods "
+          f"(or --sweep shapes) per invocation", file=sys.stderr)
     return True
+
+
+def check_memory(engines: int, meminfo: str = "/proc/meminfo") -> None:
+    """Stop a run whose engines have filled the host's memory: from there its timings are void."""
+    avail = available_gib(meminfo)
+    if avail is not None and avail < LOW_MEMORY_GIB:
+        raise SystemExit(f"bench: {avail:.2f} GiB of memory left with {engines} engines up: the host reclaims "
+                         f"pages in every step, so the timings are not the methods'; run fewer methods per "
+                         f"invocation")
 
 
 def bandit_report(results, raw, configs, args) -> None:
@@ -827,6 +847,7 @@ def run_interleaved(jobs: dict, groups: dict, n: int, env: dict, tqdm) -> dict:
             for name in names[t % len(names):] + names[:t % len(names)]:
                 g = engines[name].group(cat, rows)
                 got[name][cat] = merge_groups(got[name][cat], g) if cat in got[name] else g
+            check_memory(len(engines))
         return {name: engines[name].finish() | {"groups": got[name]} for name in names}
 
 
@@ -863,6 +884,7 @@ def run_lockstep(jobs: dict, groups: dict, env: dict, tqdm, steps: int = LOCKSTE
                             break
                 r += 1
                 bar.update()
+                check_memory(len(engines))
             bar.close()
         return {name: engines[name].finish() | {"groups": got[name]} for name in names}
 

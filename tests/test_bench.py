@@ -116,6 +116,10 @@ def test_interleave_memory_warning(tmp_path, capsys):
     assert not bench.warn_memory(9, str(mi))
     assert bench.warn_memory(11, str(mi)) and "11 engines" in capsys.readouterr().err
     assert not bench.warn_memory(11, str(tmp_path / "missing"))
+    bench.check_memory(10, str(mi))
+    mi.write_text("MemTotal:       24000000 kB\nMemAvailable:     300000 kB\n")
+    with pytest.raises(SystemExit, match="0.29 GiB of memory left with 10 engines up"):
+        bench.check_memory(10, str(mi))
 
 
 # ------------------------------------------------------------------ host record

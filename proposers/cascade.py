@@ -1,11 +1,12 @@
-"""Vertical cascade: an n-gram level drafts for the Mamba drafter, which drafts for the target.
+"""Vertical cascade: a model-free level drafts for the Mamba drafter, which drafts for the target.
 
 Per step and request (all rows batched):
-  level 0  model-free, ~free: a chain c of up to k tokens, from n-gram lookup over the request's
-           own tokens (prompt + output; `level0=None`), or from a `LookaheadProposer`'s chain form
-           without its window: the request's text, its pool of n-grams harvested from the
-           target's own outputs at every verified position (the Jacobi trajectory of whatever was
-           drafted) and the n-gram table shared by all requests.
+  level 0  model-free, ~free: a chain c of up to k tokens, from a `LookaheadProposer`'s chain form
+           without its window (levels ['lookahead', 'mamba'], the default): the request's text,
+           its pool of n-grams harvested from the target's own outputs at every verified
+           position (the Jacobi trajectory of whatever was drafted) and the n-gram table shared
+           by all requests; or from n-gram lookup over the request's own tokens (prompt +
+           output; ['ngram', 'mamba'], `level0=None`).
   level 1  the Mamba drafter runs over [bonus, c1..cm] (one C step per position, all rows at
            once; without the C kernel one torch pass, `StateSpaceDrafter.steps`), states kept
            per position, and keeps the longest prefix c1..ca equal to its own greedy choices,
@@ -13,7 +14,7 @@ Per step and request (all rows batched):
            the chain (no more than the step's budget of k drafts can use).
 With `drafter_top_k=1` the target sees exactly the drafter's own greedy chain (a level-0 token is
 kept only where the drafter would have drafted it). With `drafter_top_k=K` the drafter keeps a
-level-0 token it ranks in its top K: the n-gram level wins near-ties against the drafter's own
+level-0 token it ranks in its top K: level 0 wins near-ties against the drafter's own
 guess; with `drafter_top_k=0` every level-0 token is kept (the target judges them; the drafter
 only extends the chain past them).
 
@@ -54,23 +55,27 @@ from vllm_spec_plugins.proposers.mamba import (
     confidence_classes,
 )
 
-LEVELS = (["ngram", "mamba"], ["lookahead", "mamba"])
+LEVELS = (["lookahead", "mamba"], ["ngram", "mamba"])
 
 
 @dataclass
 class CascadeConfig(MethodConfig):
     method = "cascade"
     num_speculative_tokens: int = key(8, 1, 16, "max drafts handed to the target per step")
-    levels: list = key(["ngram", "mamba"], help="draft levels, cheapest first; each drafts for the next, the last "
-                       "for the target: ['ngram', 'mamba'] (level 0: n-gram lookup in the request's own tokens) or "
-                       "['lookahead', 'mamba'] (level 0: lookahead's chain form: its text index, its pool of "
-                       "n-grams from the target's own outputs, the shared pool)")
+    #: level 0 = lookahead's chain form: against n-gram lookup, served beside plain and vLLM's ngram
+    #: and suffix on fresh prompts, cold, bf16 (docs/benchmarks.md, family 25): batch 1 1.37x /
+    #: 1.85x / 2.33x plain against 1.32x / 1.59x / 2.21x (chat / code / repetitive), batch 8
+    #: 1.05x / 1.14x / 1.15x against 1.01x / 1.10x / 1.16x
+    levels: list = key(["lookahead", "mamba"], help="draft levels, cheapest first; each drafts for the next, the "
+                       "last for the target: ['lookahead', 'mamba'] (level 0: lookahead's chain form: its text "
+                       "index, its pool of n-grams from the target's own outputs, the shared pool) or "
+                       "['ngram', 'mamba'] (level 0: n-gram lookup in the request's own tokens)")
     model: str = key(None, help="the 'mamba' level's drafter: " + DRAFTER_HELP)
-    drafter_steps: int = key(3, 0, 16, "sequential drafter steps after its one-pass check of the n-gram level")
+    drafter_steps: int = key(3, 0, 16, "sequential drafter steps after its one-pass check of level 0's chain")
     drafter_top_k: int = key(0, 0, 64, "the drafter keeps an n-gram token it ranks in its top k (1: only its own "
                              "greedy choice; 0: all)")
-    prompt_lookup_min: int = key(NGRAM_ALONE[0], 1, 16, "n-gram level: min match length")
-    prompt_lookup_max: int = key(NGRAM_ALONE[1], 1, 16, "n-gram level: max match length")
+    prompt_lookup_min: int = key(NGRAM_ALONE[0], 1, 16, "level 0: prompt lookup's min match length")
+    prompt_lookup_max: int = key(NGRAM_ALONE[1], 1, 16, "level 0: prompt lookup's max match length")
     shared_pool: int = key(65536, 0, 1 << 22, "'lookahead' level: " + SHARED_POOL_HELP)
     goodput: bool = key(True, help=GOODPUT_HELP)
 
@@ -78,7 +83,7 @@ class CascadeConfig(MethodConfig):
         check_prompt_lookup(self)
         if self.levels not in LEVELS:
             raise ValueError(f"speculative_config.levels={self.levels!r}: this release runs the cascades "
-                             "['ngram', 'mamba'] and ['lookahead', 'mamba'] (a model-free level drafts for "
+                             "['lookahead', 'mamba'] and ['ngram', 'mamba'] (a model-free level drafts for "
                              "the Mamba drafter, which drafts for the target)")
 
     def drafter_folder(self) -> str | None:

@@ -56,7 +56,7 @@ DEFAULT_CONFIGS = {
                                          .shipped_drafter())},
     # the plugin's Mamba drafter trained for SmolLM2-135M-Instruct (shipped)
     "mamba": {"method": "mamba", "num_speculative_tokens": 4, "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
-    # n-gram lookup drafts for that Mamba drafter, which drafts for the target
+    # lookahead's chain form (the default level 0) drafts for that Mamba drafter, which drafts for the target
     "cascade": {"method": "cascade", "num_speculative_tokens": 8, "drafter_steps": 3,
                 "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"},
 }

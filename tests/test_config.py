@@ -164,7 +164,7 @@ def test_cascade_reaches_vllm_config_and_checks_its_drafter(tiny_model, tiny_mam
     from vllm_spec_plugins.tools.drafters import random_ssm_drafter
     vc = engine_config(tiny_model, {"method": "cascade", "model": tiny_mamba_drafter, "drafter_steps": 2})
     params = vc.additional_config[cfg.ADDITIONAL_KEY]
-    assert params["levels"] == ["ngram", "mamba"] and params["drafter_steps"] == 2
+    assert params["levels"] == ["lookahead", "mamba"] and params["drafter_steps"] == 2
     assert params["target"] == tiny_model and vc.speculative_config.num_speculative_tokens == 8
     other = random_ssm_drafter(tiny_model, tmp_path / "t", kind="transformer", n_heads=2, n_kv_heads=1, mlp=32)
     with pytest.raises(ValueError, match="'transformer' drafter; method 'cascade'"):

@@ -33,7 +33,7 @@ def references(plain, tmp_path_factory):
 # verified, so acceptance and rollback always run); *_goodput: as served, goodput cutting drafts.
 CASES = [pytest.param(m, b, marks=pytest.mark.extended if (b == 1 and m not in ("lookahead", "mamba")) else [])
          for b in (1, 8) for m in ("oracle", "adversarial", "lookahead", "lookahead_tree", "bandit_tree", "mamba",
-                                   "cascade", "cascade_lookahead")] + [("lookahead_goodput", 8), ("mamba_goodput", 8),
+                                   "cascade", "cascade_ngram")] + [("lookahead_goodput", 8), ("mamba_goodput", 8),
                                                   ("bandit_tree_mamba", 8)]
 
 
@@ -54,8 +54,10 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
             spec |= {"drafter": "mamba", "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"}
     if method in ("mamba", "cascade"):   # the shipped, trained drafter: accepts, so rollback runs
         spec["model"] = "vllm_spec_plugins:smollm2-135m-instruct-mamba"
-    if method == "cascade_lookahead":   # level 0: lookahead's pools (the target's own outputs, shared text)
-        spec = {"method": "cascade", "levels": ["lookahead", "mamba"], "drafter_top_k": 0, "goodput": False}
+    if method == "cascade":   # level 0 (default): lookahead's pools (the target's own outputs, shared text)
+        spec["drafter_top_k"] = 0
+    if method == "cascade_ngram":   # level 0: n-gram lookup in the request's own tokens
+        spec = {"method": "cascade", "levels": ["ngram", "mamba"], "goodput": False}
     if method.startswith("cascade"):
         spec |= {"num_speculative_tokens": 8, "drafter_steps": 2, "drafter_top_k": spec.get("drafter_top_k", 4),
                  "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba"}
@@ -72,9 +74,9 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
     if method == "oracle":       # every draft accepted: 100% acceptance
         assert got["accepted"] == got["draft_tokens"]
         assert got["tau"] > 3.0
-    elif method in ("mamba", "cascade", "cascade_lookahead") and not goodput:
+    elif method in ("mamba", "cascade", "cascade_ngram") and not goodput:
         assert 0 < got["accepted"] < got["draft_tokens"]     # both accepted and rejected drafts
-    if method.startswith("cascade"):  # the n-gram level's tokens were kept by the drafter and reached the target
+    if method.startswith("cascade"):  # level 0's tokens were kept by the drafter and reached the target
         stats = res["plugin_state"][0]["stats"]
         assert stats["level0_kept"] > 0 and stats["target_drafts_level0"] > 0, stats
     elif method == "adversarial":  # nothing accepted, output still exact
@@ -84,7 +86,7 @@ def test_greedy_identical_to_plain(method, batch_size, default_model, heldout_pr
     for worker in res["plugin_state"]:
         assert worker["requests"] <= 1, worker
     # the shared pool (on by default) took every request's text, within its cap
-    if method.startswith("lookahead") or method == "cascade_lookahead":
+    if method.startswith("lookahead") or method == "cascade":
         sp = res["plugin_state"][0]["shared_pool"]
         assert 0 < sp["contexts"] <= sp["cap"], sp
     if method.startswith("bandit_tree"):

@@ -62,7 +62,7 @@ def references(tiny_model, tmp_path_factory):
 
 @pytest.mark.parametrize("method", ["lookahead", "oracle_tree", "oracle_chain", "bandit_tree", "bandit_tree_mamba",
                                     "mamba", "cascade",
-                                    pytest.param("cascade_lookahead", marks=pytest.mark.extended)])
+                                    pytest.param("cascade_ngram", marks=pytest.mark.extended)])
 def test_sampled_follows_target(method, tiny_model, plain, references, tiny_mamba_drafter):
     # goodput off: drafts every step, so the acceptance under test runs all along
     spec = {"lookahead": {"method": "lookahead", "num_speculative_tokens": 3, "goodput": False},
@@ -70,8 +70,8 @@ def test_sampled_follows_target(method, tiny_model, plain, references, tiny_mamb
                       "goodput": False},
             "cascade": {"method": "cascade", "num_speculative_tokens": 6, "model": tiny_mamba_drafter,
                         "goodput": False},
-            "cascade_lookahead": {"method": "cascade", "levels": ["lookahead", "mamba"], "num_speculative_tokens": 6,
-                                  "model": tiny_mamba_drafter, "goodput": False},
+            "cascade_ngram": {"method": "cascade", "levels": ["ngram", "mamba"], "num_speculative_tokens": 6,
+                              "model": tiny_mamba_drafter, "goodput": False},
             # row_gate off: every node its arm's shape holds is drafted (none is cut as not paying)
             "bandit_tree": {"method": "bandit_tree", "num_speculative_tokens": 8, "exploration": 1.0,
                             "row_gate": False},
@@ -102,8 +102,8 @@ SEEDED_SPECS = {
               "goodput": False},
     "cascade": {"method": "cascade", "num_speculative_tokens": 6,
                 "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba", "goodput": False},
-    "cascade_lookahead": {"method": "cascade", "levels": ["lookahead", "mamba"], "num_speculative_tokens": 6,
-                          "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba", "goodput": False},
+    "cascade_ngram": {"method": "cascade", "levels": ["ngram", "mamba"], "num_speculative_tokens": 6,
+                      "model": "vllm_spec_plugins:smollm2-135m-instruct-mamba", "goodput": False},
 }
 
 
@@ -139,7 +139,7 @@ def plain_seeded(default_model, seeded_prompts):
 
 @pytest.mark.parametrize("method", [
     pytest.param(m, marks=pytest.mark.extended
-                 if m in ("mamba", "cascade", "cascade_lookahead", "bandit_tree_mamba") else [])
+                 if m in ("mamba", "cascade", "cascade_ngram", "bandit_tree_mamba") else [])
     for m in SEEDED_SPECS])
 def test_seeded_sampling_equals_plain(method, default_model, seeded_prompts, plain_seeded):
     """Seeded sampled requests (T=0.8, top-p, top-k, each its own seed; greedy ones in the same

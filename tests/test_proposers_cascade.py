@@ -9,6 +9,8 @@ from tests.test_proposers_mamba import V, _kernel, _run, drafter
 from vllm_spec_plugins.proposers.base import RequestStep, StepContext
 from vllm_spec_plugins.proposers.cascade import CascadeConfig, CascadeProposer
 
+NGRAM = ["ngram", "mamba"]     # level 0: n-gram lookup in the request's own tokens
+
 
 def greedy_chain(d, tokens, n):
     with torch.no_grad():
@@ -42,7 +44,7 @@ def test_cascade_hands_out_the_drafters_greedy_chain_and_keeps_level0_tokens(ker
         own = greedy_chain(d, p, 40)
         # every 7th token changed: rejections, so rollbacks to inner snapshots are exercised
         prompts[f"r{r}"], answers[f"r{r}"] = p, [t if j % 7 else (t + 1) % V for j, t in enumerate(own)]
-    prop = Checked(CascadeConfig(8, model="", drafter_steps=2, drafter_top_k=1), d, max_requests=1)
+    prop = Checked(CascadeConfig(8, model="", levels=NGRAM, drafter_steps=2, drafter_top_k=1), d, max_requests=1)
     acc, steps = _run(prop, d, prompts, answers)
     s = prop.stats
     assert sum(acc.values()) > 0
@@ -59,7 +61,7 @@ def test_cascade_hands_out_the_drafters_greedy_chain_and_keeps_level0_tokens(ker
 def test_cascade_recovers_from_preemption_and_single_token_prompts(kernel):
     d = drafter()
     d.step_kernel = _kernel(kernel)
-    prop = Checked(CascadeConfig(6, model="", drafter_steps=3, drafter_top_k=1), d)
+    prop = Checked(CascadeConfig(6, model="", levels=NGRAM, drafter_steps=3, drafter_top_k=1), d)
     prop.propose(StepContext([RequestStep("a", np.array([5]), [5], [])], set(), set(), 6))
     prop.propose(StepContext([], set(), {"a"}, 6))
     assert not prop.mamba.slots
@@ -78,7 +80,7 @@ def test_drafter_top_k_keeps_more_level0_tokens():
         prompts[f"r{r}"], answers[f"r{r}"] = p, (p[6:12] * 5)[:30]
     kept = {}
     for top_k in (1, 8):
-        prop = CascadeProposer(CascadeConfig(8, model="", drafter_steps=2, drafter_top_k=top_k), d)
+        prop = CascadeProposer(CascadeConfig(8, model="", levels=NGRAM, drafter_steps=2, drafter_top_k=top_k), d)
         acc, _ = _run(prop, d, prompts, answers)
         kept[top_k] = (prop.stats["level0_kept"], prop.stats["target_accepted_level0"])
     assert kept[8][0] > kept[1][0] and kept[8][1] > kept[1][1], kept
@@ -88,7 +90,7 @@ def test_drafter_top_k_keeps_more_level0_tokens():
 def test_drafter_top_k_0_hands_the_whole_ngram_draft_on(kernel):
     d = drafter()
     d.step_kernel = _kernel(kernel)
-    prop = CascadeProposer(CascadeConfig(8, model="", drafter_steps=2, drafter_top_k=0), d)
+    prop = CascadeProposer(CascadeConfig(8, model="", levels=NGRAM, drafter_steps=2, drafter_top_k=0), d)
     toks = np.array([5, 6, 7, 8, 9, 5, 6])                      # n-gram continuation of "5 6": 7 8 9 5 6
     out = prop.propose(StepContext([RequestStep("a", toks, [6], [])], set(), set(), 8))[0]
     assert out[:5] == [7, 8, 9, 5, 6] and len(out) == 8
@@ -123,7 +125,7 @@ def test_lookahead_level_drafts_from_the_targets_outputs_and_the_shared_pool():
     assert "a" not in la.states and not prop.mamba.slots
     w = prop.propose(ctx(RequestStep("b", np.array([40, 21, 22]), [22], [])))[0]
     assert w[:2] == [30, x[0]], w
-    plain = CascadeProposer(CascadeConfig(8, model="", drafter_steps=2, drafter_top_k=0), d)
+    plain = CascadeProposer(CascadeConfig(8, model="", levels=NGRAM, drafter_steps=2, drafter_top_k=0), d)
     assert plain.propose(ctx(RequestStep("b", np.array([40, 21, 22]), [22], [])))[0][:2] != [30, x[0]]
 
 

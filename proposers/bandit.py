@@ -40,9 +40,10 @@ sub-tree of the verified tree, "no speculation", and, in greedy steps, the chain
 unverified beside a tree, and every `SHADOW_EVERY`-th step of "no speculation"), so a chain arm
 is taken up again when the text starts to repeat.
 The batch size is context twice: in the price (the cost of a draft token grows with the batch:
-at batch 32 on a CPU "no speculation" wins, that is the back-off) and in the table (a new batch
-bucket starts from the token counts and cost ratios of the nearest one: acceptance does not
-depend on the batch, the ratios little).
+at batch 32 on a CPU nothing pays, and the chain arm's cut keeps nothing, or "no speculation"
+wins where no arm is cut: that is the back-off) and in the table (a new batch bucket starts from
+the token counts and cost ratios of the nearest one: acceptance does not depend on the batch,
+the ratios little).
 One shape serves every row of a step, but rows differ: a chat row whose candidates are weak
 beside a code row that repeats its prompt. With `row_gate`, a tree's node whose chance of
 acceptance is not above `node_price` (what one more verified node costs, in tokens, at the

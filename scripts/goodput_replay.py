@@ -13,12 +13,15 @@ proposer serves them in turn, as bench.py's engines do, so state kept across req
 shared n-gram table, goodput's rates, bandit tables) carries over: replay anything cross-request
 that way, a change that helps each category alone can hurt the next. A tuning tool for what
 drafts: no speed claim comes from it (`bench.py` makes those). Prompts are rebuilt from the
-run's own command line, answers re-tokenized from its text.
+run's own command line, answers re-tokenized from its text. `--noise` scales each step's seconds
+by seeded lognormal noise: a bandit's arm choice replays as served only with it (a clean clock
+never showed `bandit_tree` holding "no speculation" through a category; 20% noise did).
 
     python scripts/bench.py --prompts heldout --n-per-category 24 --methods plain --no-plain-rerun \\
         --dtype float32 --batch-size 8 --json out/heldout_plain.json
     python scripts/goodput_replay.py out/heldout_plain.json --batch-size 8 --methods suffix,lookahead
-    python scripts/goodput_replay.py out/heldout_plain.json --batch-size 8 --methods bandit_tree --sequence
+    python scripts/goodput_replay.py out/heldout_plain.json --batch-size 8 --methods bandit_tree --sequence \
+        --noise 0.2 --seed 1
 """
 import argparse
 import json
@@ -83,13 +86,15 @@ def suffix_proposer():
 
 
 def replay(method: str, sets: list, batch: int, cost: tuple, params: dict,
-           proposer_time: bool = False) -> list[dict]:
+           proposer_time: bool = False, noise: float = 0.0, seed: int = 0) -> list[dict]:
     """Serve each (prompts, answers) of `sets` in turn, `batch` at a time, through one `method`
     proposer (state shared across requests carries from one set to the next, as on a server that
     serves them in that order), the target answering `answers`. Per set: its seconds, tau and the
     fraction of drafted tokens accepted.
     `proposer_time`: each step also costs the proposer's own seconds, measured here (as a step of
-    the plugin does, and as goodput measures them), not only the cost model's."""
+    the plugin does, and as goodput measures them), not only the cost model's.
+    `noise`: each step's modelled seconds times exp(N(0, noise)) (seeded), as served steps vary:
+    a bandit that holds one arm on a clean clock may drift off it on a served one."""
     from vllm_spec_plugins.config import from_params
     from vllm_spec_plugins.proposers.base import BuildEnv, Proposer
     from vllm_spec_plugins.proposers.testing import ToyEngine
@@ -120,6 +125,7 @@ def replay(method: str, sets: list, batch: int, cost: tuple, params: dict,
         prop.propose = timed
     eng = ToyEngine(prop, lambda prefix: table.get(prefix, hash(prefix) % 40000 + 5000))
     step_s, token_s, jump_s, knee = cost
+    rng = np.random.default_rng(seed)
     out = []
     for s, (prompts, answers) in enumerate(sets):
         ids = [f"s{s}r{j}" for j in range(len(prompts))]
@@ -133,7 +139,8 @@ def replay(method: str, sets: list, batch: int, cost: tuple, params: dict,
                 eng.add(rid, p, len(a))
             n = sum(len(r.drafts or []) for r in eng.reqs.values())
             drafted += n
-            clock.t += step_s + token_s * max(len(eng.reqs) + n - knee, 0) + (jump_s if n else 0.0)
+            dt = step_s + token_s * max(len(eng.reqs) + n - knee, 0) + (jump_s if n else 0.0)
+            clock.t += dt * (float(np.exp(rng.normal(0.0, noise))) if noise else 1.0)
             eng.step()
             for r in eng.reqs.values():     # as the plugin: no draft past max_tokens is verified
                 if isinstance(r.drafts, list):
@@ -166,6 +173,10 @@ def main():
     p.add_argument("--proposer-time", action="store_true",
                    help="add each proposal's own seconds, measured on this host, to its step (a per-row cost "
                         "the cost model lacks; run on an idle host)")
+    p.add_argument("--noise", type=float, default=0.0,
+                   help="step-time noise: each step's seconds times exp(N(0, NOISE)), e.g. 0.2 (served steps "
+                        "vary; a clean clock hides what a bandit does with noisy rewards)")
+    p.add_argument("--seed", type=int, default=0, help="--noise's seed")
     args = p.parse_args()
     import bench
     from transformers import AutoTokenizer
@@ -190,8 +201,9 @@ def main():
 
     def run(method):     # per category: its result
         if args.sequence:
-            return replay(method, sets, args.batch_size, cost, params, args.proposer_time)
-        return [replay(method, [x], args.batch_size, cost, params, args.proposer_time)[0] for x in sets]
+            return replay(method, sets, args.batch_size, cost, params, args.proposer_time, args.noise, args.seed)
+        return [replay(method, [x], args.batch_size, cost, params, args.proposer_time, args.noise, args.seed)[0]
+                for x in sets]
 
     base = run("plain")
     lines = [f"{c:11s}" for c in cats]

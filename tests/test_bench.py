@@ -93,6 +93,10 @@ def test_goodput_replay_prices_steps_on_its_own_clock():
     # --proposer-time: the same steps, each also charged the proposal's own (real) seconds
     [timed] = replay.replay("plain", [(prompts, answers)], 2, cheap, params, proposer_time=True)
     assert timed["tau"] == plain["tau"] and timed["seconds"] > plain["seconds"]
+    # --noise: the same steps, each one's seconds scaled by seeded noise
+    noisy = [replay.replay("plain", [(prompts, answers)], 2, cheap, params, noise=0.2, seed=s)[0] for s in (1, 1, 2)]
+    assert noisy[0] == noisy[1] and noisy[0]["tau"] == plain["tau"]
+    assert len({plain["seconds"], noisy[0]["seconds"], noisy[2]["seconds"]}) == 3
 
 
 def test_goodput_replay_sequence_carries_state_across_sets():

@@ -55,6 +55,7 @@ from vllm_spec_plugins.proposers.mamba import (
     confidence_classes,
 )
 
+#: the cascades this release runs, the default first
 LEVELS = (["lookahead", "mamba"], ["ngram", "mamba"])
 
 
@@ -66,13 +67,13 @@ class CascadeConfig(MethodConfig):
     #: and suffix on fresh prompts, cold, bf16 (docs/benchmarks.md, family 25): batch 1 1.37x /
     #: 1.85x / 2.33x plain against 1.32x / 1.59x / 2.21x (chat / code / repetitive), batch 8
     #: 1.05x / 1.14x / 1.15x against 1.01x / 1.10x / 1.16x
-    levels: list = key(["lookahead", "mamba"], help="draft levels, cheapest first; each drafts for the next, the "
+    levels: list = key(LEVELS[0], help="draft levels, cheapest first; each drafts for the next, the "
                        "last for the target: ['lookahead', 'mamba'] (level 0: lookahead's chain form: its text "
                        "index, its pool of n-grams from the target's own outputs, the shared pool) or "
                        "['ngram', 'mamba'] (level 0: n-gram lookup in the request's own tokens)")
     model: str = key(None, help="the 'mamba' level's drafter: " + DRAFTER_HELP)
     drafter_steps: int = key(3, 0, 16, "sequential drafter steps after its one-pass check of level 0's chain")
-    drafter_top_k: int = key(0, 0, 64, "the drafter keeps an n-gram token it ranks in its top k (1: only its own "
+    drafter_top_k: int = key(0, 0, 64, "the drafter keeps a level-0 token it ranks in its top k (1: only its own "
                              "greedy choice; 0: all)")
     prompt_lookup_min: int = key(NGRAM_ALONE[0], 1, 16, "level 0: prompt lookup's min match length")
     prompt_lookup_max: int = key(NGRAM_ALONE[1], 1, 16, "level 0: prompt lookup's max match length")

@@ -820,15 +820,33 @@ def plot(results, cats, path, title):
     fig.savefig(path, dpi=110)
 
 
+def check_fit(up: int, left: int, before: float | None, meminfo: str = "/proc/meminfo") -> None:
+    """Stop a run as its engines come up once the memory the first `up` took (`before` their start,
+    GiB available) says the `left` still to start, and what all of them grow by, will not fit:
+    minutes into start-up, not an hour into a run that ends void (`check_memory`)."""
+    avail = available_gib(meminfo)
+    if before is None or avail is None or up < 2 or not left:
+        return
+    each = max(before - avail, 0.0) / up
+    need = left * each + GROWTH_GIB
+    if need > avail:
+        fit = int(max(before - GROWTH_GIB, 0.0) // each) if each else up + left
+        raise SystemExit(f"bench: {up} engines up took ~{each:.1f} GiB each; the {left} still to start and what "
+                         f"all grow by while serving need ~{need:.1f} GiB, and {avail:.1f} GiB is available: "
+                         f"run at most {fit} engines per invocation (plain's rerun is one)")
+
+
 @contextlib.contextmanager
-def engines_up(jobs: dict, env: dict, tqdm, **extra):
+def engines_up(jobs: dict, env: dict, tqdm, meminfo: str = "/proc/meminfo", **extra):
     """{name: `EngineProcess`} of every job (with `extra` keys), all up at once; closed on the way
-    out, finished or not."""
+    out, finished or not. Stops early when the engines up so far say the rest will not fit."""
     from vllm_spec_plugins.tools.runner import EngineProcess
     engines: dict = {}
+    before = available_gib(meminfo)
     try:
         for name, j in tqdm(jobs.items(), desc="engines up", unit="engine"):
             engines[name] = EngineProcess({**j, "groups": {}, **extra}, env=env)
+            check_fit(len(engines), len(jobs) - len(engines), before, meminfo)
         yield engines
     finally:
         for e in engines.values():

@@ -126,6 +126,37 @@ def test_interleave_memory_warning(tmp_path, capsys):
         bench.check_memory(10, str(mi))
 
 
+def test_engines_up_stops_when_the_rest_will_not_fit(tmp_path, monkeypatch):
+    """The engines up so far measure what one takes: a run that will not fit stops after two,
+    every engine started closed; one that fits comes up whole."""
+    from vllm_spec_plugins.tools import runner
+    mi = tmp_path / "meminfo"
+    kib = {"avail": 22 * 2**20}
+    mi.write_text(f"MemAvailable: {kib['avail']} kB\n")
+    closed = []
+
+    class FakeEngine:                                    # each takes 2.4 GiB
+        def __init__(self, job, env=None):
+            kib["avail"] -= int(2.4 * 2**20)
+            mi.write_text(f"MemAvailable: {kib['avail']} kB\n")
+
+        def close(self):
+            closed.append(self)
+
+    monkeypatch.setattr(runner, "EngineProcess", FakeEngine)
+    quiet = lambda it, **kw: it                          # noqa: E731 (tqdm's place)
+    jobs = {f"m{i}": {} for i in range(10)}
+    with pytest.raises(SystemExit, match="2 engines up took ~2.4 GiB each.*run at most 8 engines"):
+        with bench.engines_up(jobs, {}, quiet, meminfo=str(mi)):
+            pass
+    assert len(closed) == 2
+    kib["avail"], closed[:] = 22 * 2**20, []
+    mi.write_text(f"MemAvailable: {kib['avail']} kB\n")
+    with bench.engines_up({f"m{i}": {} for i in range(8)}, {}, quiet, meminfo=str(mi)) as up:
+        assert len(up) == 8
+    assert len(closed) == 8
+
+
 # ------------------------------------------------------------------ host record
 LSCPU_AMX = """Architecture:            x86_64
 Vendor ID:               GenuineIntel

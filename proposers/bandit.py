@@ -215,8 +215,9 @@ class BanditTreeConfig(MethodConfig):
     batch_node_budget: int = key(64, 1, 1 << 16, "draft nodes per step across the batch: shapes over "
                                  "budget/batch_size nodes are not tried")
     backoff: bool = key(True, help="include the no-speculation arm in the generated family (with drafter "
-                        "'lookahead' and row_gate, pulled only for the cost fit's plain steps: the chain arm, cut "
-                        "per token, drafts nothing where drafting does not pay)")
+                        "'lookahead' and row_gate, while a verified node costs under half a token, pulled only "
+                        "for the cost fit's plain steps: the chain arm, cut per token, drafts nothing where "
+                        "drafting does not pay)")
     scope: str = key("global", help="bandit tables: 'global', 'request', or 'field:NAME' "
                      "(SamplingParams.extra_args[NAME])")
     exploration: float = key(0.05, 0.0, 10.0, "UCB exploration weight c (times the best mean reward)")
@@ -366,6 +367,7 @@ class BanditTreeProposer(Proposer):
         #: categories that repeat their source (served at batch 8; replayed with step-time noise:
         #: tau on summaries 1.42 against 2.1-2.3), while the chain arm was priced at the nodes it
         #: drafted when last pulled
+        #: (while a verified node costs under `CUT_BACKOFF_PRICE` tokens: `propose`)
         self.backoff_by_cut = bool(self.chain_arms) and self.row_gate and self.none_arm is not None
         self.accept = AcceptModel(LookaheadProposer.class_prior)
         #: req id -> (classes, tokens) of the chain drafted for it last step: what was handed out
@@ -477,6 +479,14 @@ class BanditTreeProposer(Proposer):
     #: classes under the price stay measured (`Goodput.explore_every`)
     CHAIN_EXPLORE = 4
 
+    #: the chain arm's cut stands in for "no speculation" (`backoff_by_cut`) only while a verified
+    #: node costs under this many tokens (`node_price`). Where it costs more (batch 8 with
+    #: verification as dear as on AVX2: ~0.7 of a token), the tree arms' explored and gated
+    #: nodes, priced near break-even, lost 3-10% against plain with "no speculation" out of the
+    #: family (replayed with that host's cost model; served 0.95x / 0.97x / 0.95x), and it is
+    #: offered again; batch 8 on AVX-512 (~0.25) keeps the cut as the back-off
+    CUT_BACKOFF_PRICE = 0.5
+
     #: steps over which an arm's nodes per request are averaged before an EMA of this memory takes
     #: over. The shape's size stands in until its first step: rows cut to the nodes that pay draft
     #: far fewer (at batch 8 on chat, ~1 node of a 6-node chain), and an EMA from that start priced
@@ -535,18 +545,19 @@ class BanditTreeProposer(Proposer):
         # a step without drafts now and then keeps the cost fit's jump measured
         plain = self.none_arm is not None and self.cost.n > 0 and self.cost.plain_weight < 0.5
         w = self.cost.weights() or UNIT
-        choosable = [a for a in self.allowed(bucket) if not (self.backoff_by_cut and a == self.none_arm)]
+        node_price = self.node_price(len(live)) if self.row_gate else 0.0
+        if self.sync is not None:      # priced from measured time: rank 0's, or the ranks' trees differ
+            node_price = self.sync(node_price)
+        backoff = self.backoff_by_cut and node_price < self.CUT_BACKOFF_PRICE
+        choosable = [a for a in self.allowed(bucket) if not (backoff and a == self.none_arm)]
         arms = {kk: self.table((kk, bucket)).choose(price, choosable, w) for kk in keys}
-        if plain and (self.backoff_by_cut or all(self.table((kk, bucket)).nres[self.none_arm] > 0 for kk in keys)):
+        if plain and (backoff or all(self.table((kk, bucket)).nres[self.none_arm] > 0 for kk in keys)):
             arms = dict.fromkeys(keys, self.none_arm)
         if self.sync is not None:
             arms = self.sync(arms)
         k = ctx.budget(self.k)
         cands = None
         once0 = self._once_total()
-        node_price = self.node_price(len(live)) if self.row_gate else 0.0
-        if self.sync is not None:      # priced from measured time: rank 0's, or the ranks' trees differ
-            node_price = self.sync(node_price)
         if self.mamba is not None:      # one batched drafter pass for the rows whose arm drafts
             pull = {i: self.shapes[arms[self.key_of(r)]] for i, r in enumerate(ctx.requests) if r.sampled and k}
             pull = {i: s for i, s in pull.items() if s}

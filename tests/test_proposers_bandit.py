@@ -463,12 +463,29 @@ def test_after_unpredictable_traffic_the_chain_arm_is_taken_up_where_text_repeat
     assert spent < 0.75 * never, (spent, never)
 
 
+@pytest.mark.parametrize("per_token, dear", [(0.05, False), (0.6, True)])
+def test_no_speculation_is_offered_where_a_verified_node_is_dear(per_token, dear):
+    """The chain arm's cut stands in for "no speculation" only while a verified node costs under
+    `CUT_BACKOFF_PRICE` tokens. At batch 8 where a node costs ~0.3 of a token "no speculation" is
+    pulled only for the cost fit's plain steps; where it costs ~0.7 (a step verifying drafts as
+    dear as on an AVX2 host) the tree arms' gated nodes, near break-even, lose to it, and it is
+    chosen for most steps."""
+    f = pair_table_target(50, 5, 0.1, branching=3)
+    for seed in range(2):
+        clock = CostClock(1.0, per_token, 0.3)
+        p = BanditTreeProposer(BanditTreeConfig(16), clock=clock, vocab_size=50)
+        rng = np.random.default_rng(seed)
+        run_bandit(p, clock, f, [rng.integers(0, 50, 24).tolist() for _ in range(8)], 150)
+        none = chosen(p).get("none", 0)
+        assert none > 0.5 if dear else none < 0.1, (p.node_price(8), chosen(p))
+
+
 def test_bandit_learns_under_continuous_traffic():
     """A new request every step (every step runs prefill work): the bandit still learns (the cost
     fit counts the prefill tokens) and backs off where drafts cost three plain steps, instead of
     exploring forever: few steps verify drafts, and the run costs what never speculating does
-    (the chain arm, cut per token, drafts nothing there and may be pulled as often as "no
-    speculation": it costs the same)."""
+    (a verified node costs more than `CUT_BACKOFF_PRICE` tokens there: "no speculation" is
+    offered, and the chain arm, cut per token, drafts nothing and costs the same)."""
     f = pair_table_target(50, 5, 0.05, branching=3)
 
     def run(shapes):

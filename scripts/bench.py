@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -36,8 +37,15 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+#: a method config's key for LLM(...) keyword arguments of its engine (not speculative_config's)
+ENGINE_ARGS = "engine_args"
+
 DEFAULT_CONFIGS = {
     "plain": None,
+    # plain vLLM as every speculative method but EAGLE / MTP / draft_model runs it: vLLM turns its
+    # async scheduling off for them (ours, `ngram` and `suffix` alike). Beside plain, the part of a
+    # method's gap that is the engine's mode, not the method's work.
+    "plain_sync": {ENGINE_ARGS: {"async_scheduling": False}},
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     # vLLM's suffix decoding (arctic-inference's suffix tree, built by scripts/setup.sh), its defaults
     "suffix": {"method": "suffix"},
@@ -87,7 +95,8 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma list; names from --method-config or " + ", ".join(DEFAULT_CONFIGS))
     p.add_argument("--method-config", action="append", default=[], metavar="NAME=JSON",
-                   help="speculative_config for NAME (JSON object, or 'null' for plain)")
+                   help="speculative_config for NAME (JSON object, or 'null' for plain); its key "
+                        f"{ENGINE_ARGS!r} (an object) goes to the engine, LLM(**...), not to speculative_config")
     p.add_argument("--prompts", default=None,
                    help="'heldout' (default: the held-out split), 'fresh' (prompts written for the benchmark, "
                         "never tuned on: chat, code, repetitive) or a jsonl file of rows {category, prompt|messages}")
@@ -196,6 +205,24 @@ def method_configs(args, model: str) -> dict:
         for shape in bandit_family(spec):
             out[f"{name}@{shape_name(shape)}"] = {**spec, "shapes": [list(shape)]}
     return out
+
+
+def engine_split(config) -> tuple[dict | None, dict]:
+    """A method config as (speculative_config, the engine's extra LLM keyword arguments): its
+    `ENGINE_ARGS` apart; None where nothing else is left (plain)."""
+    if not isinstance(config, dict) or ENGINE_ARGS not in config:
+        return config, {}
+    spec = {k: v for k, v in config.items() if k != ENGINE_ARGS}
+    return spec or None, dict(config[ENGINE_ARGS])
+
+
+def engine_job(base: dict, config) -> dict:
+    """The runner's job for one method config over the run's settings `base`."""
+    from vllm_spec_plugins.config import is_plugin_config
+    spec, engine = engine_split(config)
+    # our methods report their state: bandit tables, goodput's cost fit per category
+    return {**base, "speculative_config": spec, "llm_kwargs": {**base.get("llm_kwargs", {}), **engine},
+            "report_plugin_state": is_plugin_config(spec), "report_plugin_stats": wants_stats(spec)}
 
 
 def with_fixed_budget(configs: dict) -> dict:
@@ -916,17 +943,13 @@ def measure(args, configs: dict, groups: dict, base: dict, env: dict, tqdm) -> t
     """(results, raw) of every config over `groups` with the engine settings in `base`: each
     config in its own process, plain first and last (or all up at once with --interleave or
     --lockstep)."""
-    from vllm_spec_plugins.config import is_plugin_config
     from vllm_spec_plugins.tools.runner import run_isolated
     greedy = args.temperature == 0.0
     raw = {}
     runs = list(configs.items()) * args.repeats + ([] if args.no_plain_rerun or args.repeats > 1
                                                    else [("plain (again)", None)])
     speeds: dict[str, dict[str, list[float]]] = {}
-    def job(spec):
-        # our methods report their state: bandit tables, goodput's cost fit per category
-        return {**base, "speculative_config": spec, "report_plugin_state": is_plugin_config(spec),
-                "report_plugin_stats": wants_stats(spec)}
+    job = functools.partial(engine_job, base)
     if args.lockstep:
         if args.repeats > 1 or args.interleave:
             raise SystemExit("--lockstep replaces --interleave and --repeats: give one of them")

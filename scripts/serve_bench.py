@@ -168,6 +168,13 @@ def serve_argv(model: str, spec, port, args) -> list[str]:
     argv = ["serve", model, "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
             "--max-num-seqs", str(args.batch_size), "--max-model-len", str(args.max_model_len),
             "--seed", str(args.seed)]
+    spec, engine = bench.engine_split(spec)
+    for key, value in engine.items():          # a config's engine arguments: vLLM's own flags
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            argv += [f"--{flag}", json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
     return argv

@@ -391,3 +391,18 @@ def test_an_engine_interrupted_while_starting_is_stopped(monkeypatch):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     assert len(procs) == 1 and procs[0].poll() is not None
+
+
+def test_engine_args_go_to_the_engine_not_to_speculative_config():
+    args = bench.parse_args(["--methods", "plain,plain_sync,la", "--method-config",
+                             'la={"method": "lookahead", "engine_args": {"enforce_eager": true}}'])
+    got = bench.method_configs(args, "M")
+    base = {"model": "M", "llm_kwargs": {"enforce_eager": False}}
+    plain_sync = bench.engine_job(base, got["plain_sync"])
+    assert plain_sync["speculative_config"] is None and not plain_sync["report_plugin_state"]
+    assert plain_sync["llm_kwargs"] == {"enforce_eager": False, "async_scheduling": False}
+    la = bench.engine_job(base, got["la"])
+    assert la["speculative_config"] == {"method": "lookahead"} and la["report_plugin_state"]
+    assert la["llm_kwargs"] == {"enforce_eager": True}
+    assert bench.engine_job(base, None)["llm_kwargs"] == base["llm_kwargs"]
+    assert bench.engine_split({"method": "suffix"}) == ({"method": "suffix"}, {})

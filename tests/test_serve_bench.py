@@ -69,6 +69,14 @@ def test_bench_command_is_cold_ordered_and_sends_no_special_tokens():
     serve = sb.serve_argv("M", {"method": "lookahead"}, 9, sb.parse_args([]))
     assert json.loads(serve[serve.index("--speculative-config") + 1]) == {"method": "lookahead"}
     assert "--speculative-config" not in sb.serve_argv("M", None, 9, sb.parse_args([]))
+    # a config's engine arguments become vLLM's own flags
+    sync = sb.serve_argv("M", sb.bench.DEFAULT_CONFIGS["plain_sync"], 9, sb.parse_args([]))
+    assert "--no-async-scheduling" in sync and "--speculative-config" not in sync
+    both = sb.serve_argv("M", {"method": "lookahead", "engine_args": {"enforce_eager": True,
+                                                                      "max_num_batched_tokens": 512}},
+                         9, sb.parse_args([]))
+    assert "--enforce-eager" in both and both[both.index("--max-num-batched-tokens") + 1] == "512"
+    assert json.loads(both[both.index("--speculative-config") + 1]) == {"method": "lookahead"}
 
 
 def test_method_configs_come_from_bench_py():

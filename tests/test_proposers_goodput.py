@@ -881,3 +881,23 @@ def test_drafts_always_accepted_never_read_as_optimism():
     assert prop.calibration() >= 1.0, prop.calibration()
     rel = prop.goodput_state()["reliability"]         # every bin: all its kept tokens accepted
     assert sum(n for n, _, _ in rel) == st["accepted"] and all(hit == 1.0 for n, _, hit in rel if n), rel
+
+
+def test_step_cost_keeps_prefill_chunks_beside_drafts_out_of_the_jump():
+    """A prefill chunk's seconds grow faster than its tokens (attention over the prompt), so a
+    step that prefills is fitted worst; where such a step also verified drafts that error would
+    land on the jump. Those steps are left out: the jump and a draft's price come from the others,
+    and plain prefill steps still price a prefill token."""
+    rng = np.random.default_rng(5)
+    c = StepCost()
+    for i in range(1500):
+        rows = 8
+        drafts = bool(rng.random() < 0.3)
+        x = int(rng.integers(1, 5)) if drafts else 0
+        prefill = int(rng.integers(200, 400)) if rng.random() < 0.1 else 0
+        s = (0.012 + 0.0085 * (rows + x) + drafts * 0.002 + 0.004 * prefill + 1e-5 * prefill ** 2
+             + rng.normal(0, 0.004))
+        c.observe(rows + x + prefill, s, drafts, rows, prefill=prefill)
+    _, b, jump, h = c.fit(8)
+    assert b + h == pytest.approx(0.0085, rel=0.15)
+    assert jump < 0.006               # 0.002 true; with those steps observed, ~0.0076

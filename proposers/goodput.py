@@ -17,12 +17,13 @@ verification adds. Both are measured, apart:
   what was learned at batch 1 holds at batch 32 at once; a bandit per batch size re-learns both.
 
 Each step the wrapped proposer drafts its full chains; a token's p is the product of its own
-and its ancestors' rates (its chance of acceptance). Over the whole batch, best p first, a token
-is kept while p > b * R, R = tokens the step makes / its predicted seconds with what is kept so
-far: the marginal token must make more than it costs at the step's own rate. On this CPU that
-is p > ~0 for the first drafts at batch 1 (up to the knee), ~4% past them, and ~40% at batch 8
-(bf16); on a GPU it keeps everything until the cost curve bends. p falls along a chain, so what
-is kept is a prefix of each chain.
+and its ancestors' rates (its chance of acceptance), scaled by the accepted / expected tokens
+of the drafts kept so far where that is under 1 (`calibration`). Over the whole batch, best p
+first, a token is kept while p > b * R, R = tokens the step makes / its predicted seconds with
+what is kept so far: the marginal token must make more than it costs at the step's own rate. On
+this CPU that is p > ~0 for the first drafts at batch 1 (up to the knee), ~4% past them, and
+~40% at batch 8 (bf16); on a GPU it keeps everything until the cost curve bends. p falls along a
+chain, so what is kept is a prefix of each chain.
 
 A proposer that costs next to nothing (a pool, a lookup: under 2% of a step) runs every step and
 the cut decides; it is asked for no deeper a chain than the cut could keep with this step's rates
@@ -629,7 +630,13 @@ class Goodput(Proposer):
             self._forced = True    # a step without drafts now and then: keeps the jump measured
             return keep
         # every cuttable token as (-p, depth, row), p its chance of acceptance (the product of its
-        # own and its ancestors' rates); plain lists: a step has tens of tokens, not thousands
+        # own and its ancestors' rates) times `calibration` where that is under 1. The rates are
+        # learned from the tokens the cut kept, picked for reading high, and read high (the target
+        # accepted 0.93-0.97 of what lookahead's kept tokens expected at batch 8 on every host
+        # measured): priced as read, the tokens just over the bar are verified at a loss. Never
+        # scaled up: a model that reads low costs no verified draft. Plain lists: a step has tens
+        # of tokens, not thousands.
+        cal = min(self.calibration(), 1.0)
         items: list[tuple[float, int, int]] = []
         reach: list[float] = []                    # summed p per depth
         chance: dict[int, list[float]] = {}        # row -> its tokens' p
@@ -639,7 +646,7 @@ class Goodput(Proposer):
             rate = self._row_rates.get(req.req_id) or self.accept.rates(req.req_id, self.accept.global_rate()).tolist()
             chance[i] = chances(rate, c[:len(d)])
             for j, p in enumerate(chance[i]):
-                items.append((-p, j, i))
+                items.append((-p * cal, j, i))
                 if j < len(reach):
                     reach[j] += p
                 else:
@@ -656,7 +663,7 @@ class Goodput(Proposer):
         made, extra = price_cut(items, keep, n, fit)
         if not drafting_pays(fit, n, made, extra):
             return [0] * len(drafts)
-        self._last_gain = made - n
+        self._last_gain = (made - n) / cal     # as the rates read: `calibration` measures them
         self._row_gain = {ctx.requests[i].req_id: chance[i][:keep[i]] for i in chance if keep[i]}
         self._threshold = fit.token(n + extra) * made / (fit.seconds(n + extra) + fit.jump)
         if self.explore_every and self.steps % self.explore_every == 0 and extra:   # never pays the jump alone

@@ -263,9 +263,11 @@ def test_the_cut_is_its_per_token_definition():
     """Over random batches (coarse rates: many equal chances, rows without drafts, a tree row):
     what `_allocate` keeps is what walking every row's tokens best chance first (ties: the
     shallower token, then the earlier row) keeps while p * (step seconds with it) > b * tokens
-    made so far, b the price of the next query token (flat up to the knee, dearer past it).
-    Walking rows before chances, a threshold without the tokens the kept drafts make, or one
-    price for every token, fails it."""
+    made so far, b the price of the next query token (flat up to the knee, dearer past it), p
+    the chance times `calibration` where that is under 1. The gain it records for calibration is
+    the chances as the rates read (else calibration would measure itself and drift to 1).
+    Walking rows before chances, a threshold without the tokens the kept drafts make, one price
+    for every token, or chances priced as read by a model measured optimistic, fails it."""
     from vllm_spec_plugins.proposers.cost import KNEE
     from vllm_spec_plugins.scorers.tree import DraftTree
     rng = np.random.default_rng(1)
@@ -284,6 +286,8 @@ def test_the_cut_is_its_per_token_definition():
         n = int(rng.integers(1, 9))
         g.accept.hits[:] = rng.integers(0, 5, classes_n) * 4.0     # coarse rates: ties
         g.accept.tries[:] = 20.0
+        g._cal = [float(rng.uniform(50, 140)), 100.0]            # optimistic, or pessimistic
+        cal = min(g.calibration(), 1.0)
         reqs, drafts, classes = [], [], []
         for i in range(n):
             m = int(rng.integers(0, 9))
@@ -301,7 +305,7 @@ def test_the_cut_is_its_per_token_definition():
             p = 1.0
             for j, x in enumerate(c):
                 p *= float(g.accept.rates(f"r{i}", glob)[x])
-                cand.append((p, j, i))
+                cand.append((p * cal, j, i))
         cand.sort(key=lambda x: (-x[0], x[1]))
         a, b, jump, h = g.cost.fit(n, g.context)
 
@@ -317,6 +321,9 @@ def test_the_cut_is_its_per_token_definition():
         if (made - n) * seconds(n) <= n * (seconds(n + extra) - seconds(n) + jump):
             want = [0] * n
         assert keep == want, (trial, keep, want)
+        if sum(want):
+            assert g._last_gain == pytest.approx((made - n) / cal)
+            assert sum(map(sum, g._row_gain.values())) == pytest.approx((made - n) / cal)
         checked += sum(want) > 0
     assert checked > 50                      # most batches keep something: the walk was exercised
 

@@ -632,8 +632,8 @@ class Goodput(Proposer):
         # every cuttable token as (-p, depth, row), p its chance of acceptance (the product of its
         # own and its ancestors' rates) times `calibration` where that is under 1. The rates are
         # learned from the tokens the cut kept, picked for reading high, and read high (lookahead
-        # at batch 8: the target accepted under what its kept tokens expected in 47 of 54 runs of a
-        # category, every host, median 0.95): priced as read, the tokens just over the bar are
+        # at batch 8: the target accepted under what its kept tokens expected in most category runs
+        # of docs/results on every host, median 0.95): priced as read, the tokens just over the bar are
         # verified at a loss. Never scaled up: a model that reads low costs no verified draft.
         # Plain lists: a step has tens of tokens, not thousands.
         cal = min(self.calibration(), 1.0)

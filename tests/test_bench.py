@@ -126,6 +126,17 @@ def test_interleave_memory_warning(tmp_path, capsys):
         bench.check_memory(10, str(mi))
 
 
+def test_prime_memory_writes_what_is_available_less_the_growth(tmp_path):
+    """It writes the available memory less what engines grow by, in whole chunks, and nothing
+    where the available memory is unknown or under that margin."""
+    mi = tmp_path / "meminfo"
+    mi.write_text(f"MemAvailable: {int((bench.GROWTH_GIB + 4.5 / 1024) * 2**20)} kB\n")
+    assert bench.prime_memory(str(mi), chunk_mib=1) == 4 / 1024
+    mi.write_text(f"MemAvailable: {int(bench.GROWTH_GIB * 2**20) // 2} kB\n")
+    assert bench.prime_memory(str(mi), chunk_mib=1) == 0.0
+    assert bench.prime_memory(str(tmp_path / "missing")) == 0.0
+
+
 def test_engines_up_stops_when_the_rest_will_not_fit(tmp_path, monkeypatch):
     """The engines up so far measure what one takes: a run that will not fit stops after two,
     every engine started closed; one that fits comes up whole."""

@@ -247,6 +247,12 @@ def _tau_source(results: dict) -> str:
 
 
 def _mode(cfg: dict) -> str:
+    primed = cfg.get("primed_memory_gib")
+    return _engines(cfg) + (f"; the host's free memory ({primed[0]:.1f} GiB) written once before they started"
+                            if primed else "")
+
+
+def _engines(cfg: dict) -> str:
     if cfg.get("lockstep"):
         k = 1 if cfg["lockstep"] is True else cfg["lockstep"]     # True: one step a turn
         return (f"all engines up at once, stepped in turn, {k} engine step{'s' if k != 1 else ''} each "

@@ -681,7 +681,8 @@ def available_gib(meminfo: str = "/proc/meminfo") -> float | None:
 #: Engines started first run slower: five plain engines in lockstep (bf16, batch 8, held-out
 #: prompts, an AMX host) ran 5-12% apart per category in two runs, the first one started the
 #: slowest every time; with the host's free memory written once before they started, 2-6% apart in
-#: two runs (the first still the slowest). On a virtual machine, memory the guest has not used
+#: two runs (the first still the slowest); five float32 engines (~4.3 GiB each, more than was
+#: written) stayed 8-9% apart. On a virtual machine, memory the guest has not used
 #: before can stay slower to use than memory it has (how the host backs it); the cause is not
 #: pinned down, and the plain engines started first and last bound what is left of it.
 def prime_memory(meminfo: str = "/proc/meminfo", chunk_mib: int = 256) -> float:

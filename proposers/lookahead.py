@@ -121,7 +121,11 @@ class SharedPool:
     contexts (least recently extended goes first), `per_key` next tokens each (the least
     counted goes, ties: the oldest). Contexts are keyed by tenant (vLLM's `cache_salt`): text of
     one request shapes the drafts of requests of its own tenant only (never the output; the speed,
-    as a shared prefix cache does). `shared_pool: 0` turns it off."""
+    as a shared prefix cache does). `shared_pool: 0` turns it off. A match over the whole text of
+    other requests (suffix decoding's global tree: a continuation after up to `MATCH_DEPTH` tokens
+    of agreement) did not pay, replayed over the held-out split at batch 8: in this table's place
+    1.5% slower on every category, beside it 1.6% faster on code and 0.5-1.3% slower on chat and
+    summaries, tau within 0.05 either way."""
 
     def __init__(self, n: int, cap: int, per_key: int = 4):
         self.n, self.cap, self.per_key = n, cap, per_key

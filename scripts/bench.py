@@ -595,6 +595,9 @@ def summarize(res: dict, plain: dict, greedy: bool) -> dict:
             row["engine_steps"] = g["steps"]
         if "target_steps" in g:     # --lockstep: the requests' target steps, tau's denominator
             row["target_steps"] = g["target_steps"]
+        if "request_steps" in g:    # and per request, with its tokens (`paired_tau_gap`)
+            row["request_steps"] = g["request_steps"]
+            row["request_tokens"] = [sum(len(c) for c in o) for o in g["outputs"]]
         if "goodput" in g:          # goodput's cost fit, buckets and counters at the category's end
             row["goodput"] = g["goodput"]
         row["speedup_vs_plain"] = g["tokens_per_s"] / p["tokens_per_s"] if p["tokens_per_s"] else 0.0
@@ -611,6 +614,46 @@ def summarize(res: dict, plain: dict, greedy: bool) -> dict:
             row["_first_diff"] = diffs
         out[cat] = row
     return out
+
+
+#: the method every other one's tau is set against, prompt by prompt (`tau_gaps`)
+TAU_REFERENCE = "suffix"
+
+
+def paired_tau_gap(a: dict, b: dict, level: float = 0.95, draws: int = 4000,
+                   seed: int = 0) -> list[float] | None:
+    """tau of rows `a` minus tau of rows `b` (one category, the same prompts in the same order), and
+    the central `level` interval of that gap over prompts: a paired bootstrap (the prompts drawn
+    with replacement, the same draw for both; seeded). A gap inside its interval's spread is a
+    property of these prompts, not of the methods. None where either row lacks per-request steps.
+    The interval covers prompt sampling only: at batch > 1 the requests of a set share the batch
+    (and a proposer's shared state), and run-to-run noise comes on top."""
+    import numpy as np
+    if "request_steps" not in a or "request_steps" not in b:
+        return None
+    ta, sa = np.array(a["request_tokens"], float), np.array(a["request_steps"], float)
+    tb, sb = np.array(b["request_tokens"], float), np.array(b["request_steps"], float)
+    if len(sa) != len(sb) or not len(sa) or not sa.sum() or not sb.sum():
+        return None
+    idx = np.random.default_rng(seed).integers(0, len(sa), (draws, len(sa)))
+    gaps = ta[idx].sum(1) / np.maximum(sa[idx].sum(1), 1) - tb[idx].sum(1) / np.maximum(sb[idx].sum(1), 1)
+    lo, hi = np.quantile(gaps, [(1 - level) / 2, (1 + level) / 2])
+    return [float(ta.sum() / sa.sum() - tb.sum() / sb.sum()), float(lo), float(hi)]
+
+
+def tau_gaps(results: dict) -> None:
+    """Each method's tau against `TAU_REFERENCE`'s on the same prompts (`paired_tau_gap`), as
+    `tau_vs_<reference>` of its rows, where the run counted per-request steps (--lockstep)."""
+    ref = results.get(TAU_REFERENCE)
+    if ref is None:
+        return
+    for name, rows in results.items():
+        if name in ("plain", TAU_REFERENCE):
+            continue
+        for cat, row in rows.items():
+            gap = paired_tau_gap(row, ref.get(cat) or {})
+            if gap is not None:
+                row[f"tau_vs_{TAU_REFERENCE}"] = gap
 
 
 def classify_mismatches(results, plain_lp, dtype, plain=None):
@@ -661,6 +704,12 @@ def print_table(results, cats):
             lat = f" (latency {r['latency_vs_plain']:.2f}x)" if "latency_vs_plain" in r else ""
             print(f"| {name} | {cat} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain']:.2f}x{lat} | "
                   f"{r['tau']:.2f} | {r['acceptance_rate']:.2f} | {pp} | {ident} |")
+    key = f"tau_vs_{TAU_REFERENCE}"
+    gaps = [(name, cat, rows[cat][key]) for name, rows in results.items() for cat in cats if key in rows[cat]]
+    if gaps:
+        print(f"\ntau minus {TAU_REFERENCE}'s on the same prompts (95% interval over prompts, paired bootstrap):")
+        for name, cat, (gap, lo, hi) in gaps:
+            print(f"  {name} {cat}: {gap:+.2f} ({lo:+.2f} to {hi:+.2f})")
 
 
 ENGINE_GIB = 2.2   # one interleaved CPU engine of the 135M target, 1 GiB KV cache (measured: 10 used ~22 GiB)
@@ -1025,6 +1074,7 @@ def measure(args, configs: dict, groups: dict, base: dict, env: dict, tqdm) -> t
             if name in results:
                 results[name][cat]["tokens_per_s_repeats"] = v
     bandit_report(results, raw, configs, args)
+    tau_gaps(results)
     plain_lp = None
     mismatch = any(not row.get("identical_to_plain", True) for rows in results.values() for row in rows.values())
     if greedy and mismatch:

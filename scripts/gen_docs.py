@@ -308,6 +308,25 @@ def _latency_table(results: dict, cats: list) -> list[str]:
     return lines
 
 
+def _tau_gap_table(results: dict, cats: list) -> list[str]:
+    """Each method's tau against `suffix`'s on the same prompts, with its interval over prompts
+    (bench.py's `paired_tau_gap`), where the run recorded them."""
+    key = "tau_vs_suffix"
+    rows = {m: r for m, r in results.items() if any(key in (r.get(c) or {}) for c in cats)}
+    if not rows:
+        return []
+    lines = ["", "tau minus `suffix`'s on the same prompts, and its 95% interval over the prompts (a paired "
+             "bootstrap; the noise between two runs comes on top):", "",
+             "| method | " + " | ".join(cats) + " |", "|" + "---|" * (1 + len(cats))]
+    for method, r in rows.items():
+        cells = [f"`{method}`"]
+        for c in cats:
+            gap = (r.get(c) or {}).get(key)
+            cells.append(f"{gap[0]:+.2f} ({gap[1]:+.2f} to {gap[2]:+.2f})" if gap else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def render_result(name: str, out: dict, plot: str | None = None) -> str:
     """One result JSON of scripts/bench.py as a markdown section."""
     results, cfg = out.get("results"), out.get("config") or {}
@@ -350,6 +369,7 @@ def render_result(name: str, out: dict, plot: str | None = None) -> str:
             cells += [speed, f"{r.get('tau', 0):.2f}"]
         cells.append(_output_vs_plain(rows, cats) if method != "plain" else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _tau_gap_table(results, cats)
     lines += _latency_table(results, cats)
     specs = cfg.get("method_configs") or {}
     if specs:

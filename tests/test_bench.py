@@ -282,6 +282,47 @@ def test_request_latency_beside_tokens_per_s():
     assert "latency_vs_plain" not in bench.summarize(method, plain, greedy=False)["chat"]
 
 
+def test_paired_tau_gap_over_prompts(capsys):
+    """tau against suffix's on the same prompts, with an interval from a paired bootstrap: a gap
+    every prompt shares clears 0; one carried by a single prompt does not."""
+    def rows(steps, tokens=None):
+        return {"request_steps": steps, "request_tokens": tokens or [10] * len(steps)}
+    same = rows([5] * 20)
+    assert bench.paired_tau_gap(same, rows([5] * 20)) == [0.0, 0.0, 0.0]
+    gap, lo, hi = bench.paired_tau_gap(rows([4, 5] * 10), rows([5, 6] * 10))
+    assert gap == pytest.approx(20 * 10 / 90 - 20 * 10 / 110) and 0 < lo < gap < hi
+    one = rows([5] * 19 + [1], [10] * 19 + [40])             # one prompt made of a long repeat
+    gap, lo, hi = bench.paired_tau_gap(one, rows([5] * 19 + [8], [10] * 19 + [40]))
+    assert gap > 0 and lo <= 0 < hi
+    assert bench.paired_tau_gap(same, {}) is None             # per-request steps not counted
+    assert bench.paired_tau_gap(same, rows([5] * 19)) is None  # not the same prompts
+    results = {"plain": {"chat": rows([10] * 20)}, "suffix": {"chat": rows([5] * 20)},
+               "lookahead": {"chat": rows([4] * 20) | {"tokens_per_s": 1.0, "speedup_vs_plain": 1.0, "tau": 2.5,
+                                                         "acceptance_rate": 0.5, "acceptance_per_position": []}}}
+    bench.tau_gaps(results)
+    assert "tau_vs_suffix" not in results["plain"]["chat"] and "tau_vs_suffix" not in results["suffix"]["chat"]
+    assert results["lookahead"]["chat"]["tau_vs_suffix"] == [pytest.approx(0.5)] * 3
+    bench.print_table({"lookahead": results["lookahead"]}, ["chat"])
+    assert "lookahead chat: +0.50 (+0.50 to +0.50)" in capsys.readouterr().out
+    gen_docs = load("gen_docs")
+    text = "\n".join(gen_docs._tau_gap_table(results, ["chat"]))
+    assert "| `lookahead` | +0.50 (+0.50 to +0.50) |" in text and "`suffix`" in text
+    assert gen_docs._tau_gap_table({"plain": results["plain"]}, ["chat"]) == []
+
+
+def test_merged_turns_keep_per_request_steps_where_both_counted():
+    from vllm_spec_plugins.tools.runner import merge_groups
+    def turn(steps):
+        return {"outputs": [[[1] * 4]] * len(steps), "seconds": 1.0, "generated_tokens": 4 * len(steps),
+                "drafts": 1, "draft_tokens": 2, "accepted": 1, "preemptions": 0, "accepted_per_pos": [1],
+                "target_steps": sum(steps), "request_steps": steps}
+    got = merge_groups(turn([2, 3]), turn([4]))
+    assert got["request_steps"] == [2, 3, 4] and got["target_steps"] == 9
+    uncounted = {k: v for k, v in turn([4]).items() if k not in ("target_steps", "request_steps")}
+    got = merge_groups(turn([2, 3]), uncounted)
+    assert "request_steps" not in got and "target_steps" not in got
+
+
 # ------------------------------------------------------------------ prompts
 def _args(*argv):
     return bench.parse_args(list(argv))

@@ -127,6 +127,9 @@ def test_engine_process_serves_turns(default_model, heldout_prompts, plain):
         eng.close()
     got = merge_groups(a, b)
     assert got["outputs"] == plain["outputs"]
+    # per-request target steps where counted (the stepped turn), summed only where both turns were
+    assert sum(b["request_steps"]) == b["target_steps"] and len(b["request_steps"]) == len(b["outputs"])
+    assert ("request_steps" in got) == ("request_steps" in a)
     for k in ("accepted", "draft_tokens", "generated_tokens"):
         assert got[k] == a[k] + b[k] and a[k] > 0 and b[k] > 0
     assert got["generated_tokens"] == sum(len(o[0]) for o in got["outputs"])
@@ -158,6 +161,9 @@ def test_lockstep_tau_counts_each_requests_target_steps(default_model, heldout_p
     finally:
         eng.close()
     n, counted = b["generated_tokens"], b["target_steps"]
+    per = b["request_steps"]            # per request, in prompt order: each made >= 1 token a step
+    assert sum(per) == counted and len(per) == len(b["outputs"])
+    assert all(1 <= s <= len(o[0]) for s, o in zip(per, b["outputs"]))
     assert b["steps"] == steps and b["accepted"] > 0
     assert b["tau"] == pytest.approx(n / counted) and b["tau"] > 1.0
     assert steps <= counted <= steps * batch

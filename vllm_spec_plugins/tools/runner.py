@@ -218,7 +218,10 @@ class _Engine:
         g = self._end(self._prompts, [self._outs[rid] for rid in self._ids], self._seconds)
         if self._made is not None and all(m[1] == len(self._outs[m[0]].outputs[0].token_ids)
                                           for m in self._made.values()):
-            g = _with_rates(g | {"target_steps": sum(m[2] for m in self._made.values())})
+            steps = {m[0]: m[2] for m in self._made.values()}
+            # per request too, in prompt order: tau's spread over prompts (bench.py's `paired_tau_gap`)
+            g = _with_rates(g | {"target_steps": sum(steps.values()),
+                                 "request_steps": [steps[rid] for rid in self._ids]})
         return g | {"steps": self._steps, "request_seconds": [self._finished_s[rid] for rid in self._ids]}
 
     def _end(self, prompts: list, outs: list, dt: float) -> dict:
@@ -271,8 +274,11 @@ def merge_groups(a: dict, b: dict) -> dict:
     for k in ("seconds", "generated_tokens", "drafts", "draft_tokens", "accepted", "preemptions"):
         out[k] = a[k] + b[k]
     out.pop("target_steps", None)
+    out.pop("request_steps", None)
     if "target_steps" in a and "target_steps" in b:      # exact only where both sets were counted
         out["target_steps"] = a["target_steps"] + b["target_steps"]
+        if "request_steps" in a and "request_steps" in b:
+            out["request_steps"] = a["request_steps"] + b["request_steps"]
     pa, pb = a["accepted_per_pos"], b["accepted_per_pos"]
     out["accepted_per_pos"] = [x + y for x, y in zip(pa + [0] * (len(pb) - len(pa)), pb + [0] * (len(pa) - len(pb)))]
     if "plugin_stats" in a:

@@ -309,13 +309,14 @@ def _latency_table(results: dict, cats: list) -> list[str]:
 
 
 def _tau_gap_table(results: dict, cats: list) -> list[str]:
-    """Each method's tau against `suffix`'s on the same prompts, with its interval over prompts
-    (bench.py's `paired_tau_gap`), where the run recorded them."""
-    key = "tau_vs_suffix"
+    """Each method's tau against the reference method's (bench.py's `TAU_REFERENCE`) on the same
+    prompts, with its interval over prompts (`paired_tau_gap`), where the run recorded them."""
+    ref = _bench().TAU_REFERENCE
+    key = f"tau_vs_{ref}"
     rows = {m: r for m, r in results.items() if any(key in (r.get(c) or {}) for c in cats)}
     if not rows:
         return []
-    lines = ["", "tau minus `suffix`'s on the same prompts, and its 95% interval over the prompts (a paired "
+    lines = ["", f"tau minus `{ref}`'s on the same prompts, and its 95% interval over the prompts (a paired "
              "bootstrap; the noise between two runs comes on top):", "",
              "| method | " + " | ".join(cats) + " |", "|" + "---|" * (1 + len(cats))]
     for method, r in rows.items():
@@ -512,8 +513,9 @@ def draw_plots(results_dir: str = RESULTS_DIR) -> list[str]:
 
 # ------------------------------------------------------------------ when speculation pays
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def _bench():
-    """scripts/bench.py as a module (its plots, its host record)."""
+    """scripts/bench.py as a module (its plots, its host record, its tau reference), loaded once."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("bench", os.path.join(ROOT, "scripts", "bench.py"))
     bench = importlib.util.module_from_spec(spec)

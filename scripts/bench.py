@@ -616,11 +616,12 @@ def summarize(res: dict, plain: dict, greedy: bool) -> dict:
     return out
 
 
-#: the method every other one's tau is set against, prompt by prompt (`tau_gaps`)
-TAU_REFERENCE = "suffix"
+#: the method every other one's tau is set against, prompt by prompt (`tau_gaps`), and the
+#: central share of the bootstrap's gaps its interval spans
+TAU_REFERENCE, TAU_LEVEL = "suffix", 0.95
 
 
-def paired_tau_gap(a: dict, b: dict, level: float = 0.95, draws: int = 4000,
+def paired_tau_gap(a: dict, b: dict, level: float = TAU_LEVEL, draws: int = 4000,
                    seed: int = 0) -> list[float] | None:
     """tau of rows `a` minus tau of rows `b` (one category, the same prompts in the same order), and
     the central `level` interval of that gap over prompts: a paired bootstrap (the prompts drawn
@@ -707,7 +708,8 @@ def print_table(results, cats):
     key = f"tau_vs_{TAU_REFERENCE}"
     gaps = [(name, cat, rows[cat][key]) for name, rows in results.items() for cat in cats if key in rows[cat]]
     if gaps:
-        print(f"\ntau minus {TAU_REFERENCE}'s on the same prompts (95% interval over prompts, paired bootstrap):")
+        print(f"\ntau minus {TAU_REFERENCE}'s on the same prompts "
+              f"({TAU_LEVEL:.0%} interval over prompts, paired bootstrap):")
         for name, cat, (gap, lo, hi) in gaps:
             print(f"  {name} {cat}: {gap:+.2f} ({lo:+.2f} to {hi:+.2f})")
 

@@ -316,8 +316,8 @@ def _tau_gap_table(results: dict, cats: list) -> list[str]:
     rows = {m: r for m, r in results.items() if any(key in (r.get(c) or {}) for c in cats)}
     if not rows:
         return []
-    lines = ["", f"tau minus `{ref}`'s on the same prompts, and its 95% interval over the prompts (a paired "
-             "bootstrap; the noise between two runs comes on top):", "",
+    lines = ["", f"tau minus `{ref}`'s on the same prompts, and its {_bench().TAU_LEVEL:.0%} interval over the "
+             "prompts (a paired bootstrap; the noise between two runs comes on top):", "",
              "| method | " + " | ".join(cats) + " |", "|" + "---|" * (1 + len(cats))]
     for method, r in rows.items():
         cells = [f"`{method}`"]
@@ -512,7 +512,6 @@ def draw_plots(results_dir: str = RESULTS_DIR) -> list[str]:
 
 
 # ------------------------------------------------------------------ when speculation pays
-@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=None)
 def _bench():
     """scripts/bench.py as a module (its plots, its host record, its tau reference), loaded once."""

@@ -38,8 +38,6 @@ import json
 import os
 import re
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -195,12 +193,6 @@ def bench_argv(base_url: str, model: str, dataset: str, n: int, out_dir: str, ou
             "--save-result", "--save-detailed", "--result-dir", out_dir, "--result-filename", out_name]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http_get(url: str, timeout: float = 5) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read().decode()
@@ -240,16 +232,8 @@ class Server:
                 time.sleep(1)
 
     def stop(self) -> None:
-        for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        from vllm_spec_plugins.tools.load import stop_group
+        stop_group(self.proc, 60)
         self.log.close()
 
 
@@ -323,6 +307,7 @@ def run_method(name: str, spec, model: str, texts: dict, args, raw_dir: str, env
                ds: str = "custom") -> dict:
     """Serve `spec`, run bench serve once per category (cold: no request before the first),
     stop the server. Returns {"startup_s", "requests_before", "categories": {cat: summary}}."""
+    from vllm_spec_plugins.tools.load import free_port
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)

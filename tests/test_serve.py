@@ -2,8 +2,6 @@
 plugin loaded in the API server and the engine-core process; greedy output equals plain vLLM."""
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,16 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from vllm_spec_plugins.tools.load import free_port as _free_port
+from vllm_spec_plugins.tools.load import stop_group
 from vllm_spec_plugins.tools.runner import run_isolated
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("ray"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url, timeout=5):
@@ -86,13 +80,4 @@ def test_serve_yaml_dropin(config, default_model, heldout_prompts, tmp_path):
 
 def stop(proc: subprocess.Popen) -> None:
     """SIGTERM the server's process group (API server + engine core), SIGKILL if it hangs."""
-    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    stop_group(proc, 60)

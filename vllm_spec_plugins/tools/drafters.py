@@ -323,8 +323,8 @@ REG_WEIGHT = 0.2        # smooth-L1 to the next hidden state, next to the KL on 
 FEATURE_NOISE = 0.05    # uniform noise on input hidden states (EAGLE), for robustness to own drafts
 
 
-def _batch(rows: list[dict], rng: random.Random, tokens: int, max_len: int):
-    """Random sequences up to `tokens` tokens in all, right-padded; windows of <= max_len."""
+def _windows(rows: list[dict], rng: random.Random, tokens: int, max_len: int) -> list[tuple]:
+    """Random (row, start, end) windows of <= max_len tokens, up to `tokens` tokens in all."""
     picked, total = [], 0
     while total < tokens:
         r = rows[rng.randrange(len(rows))]
@@ -332,6 +332,27 @@ def _batch(rows: list[dict], rng: random.Random, tokens: int, max_len: int):
         s = rng.randrange(0, n - max_len + 1) if n > max_len else 0
         picked.append((r, s, min(n, s + max_len)))
         total += picked[-1][2] - s
+    return picked
+
+
+def _set_lr(opt, lr: float, step: int, steps: int) -> None:
+    """Warm-up over 50 steps, then cosine down to 0.1 x `lr` over `steps` (a time limit only
+    truncates the schedule)."""
+    for g in opt.param_groups:
+        g["lr"] = lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+
+
+def _update(opt, loss: torch.Tensor, model: torch.nn.Module) -> None:
+    """One optimizer step on `loss`, gradients clipped to norm 1."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
+def _batch(rows: list[dict], rng: random.Random, tokens: int, max_len: int):
+    """Random sequences up to `tokens` tokens in all, right-padded; windows of <= max_len."""
+    picked = _windows(rows, rng, tokens, max_len)
     T = max(e - s for _, s, e in picked)
     B, h = len(picked), picked[0][0]["hidden"].shape[-1]
     ids = torch.zeros(B, T, dtype=torch.long)
@@ -437,15 +458,11 @@ def train(target: str, work: Path, minutes: float, steps: int, seed: int, lr: fl
     for step in bar:
         if time.time() > t_end:
             break
-        for g in opt.param_groups:       # warm-up then cosine, over --steps (time only truncates)
-            g["lr"] = lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+        _set_lr(opt, lr, step, steps)
         rng = random.Random(seed * 1_000_003 + step)
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         loss, agree = drafter_loss(d, _batch(rows, rng, batch_tokens, max_len), gen=gen, unroll=unroll)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
-        opt.step()
+        _update(opt, loss, d)
         log.append({"step": step, "loss": loss.item(), "agree": agree})
         done = step + 1
         if hasattr(bar, "set_postfix"):
@@ -489,13 +506,7 @@ def new_ssm_drafter(target_model, kind: str, seed: int, draft_vocab: torch.Tenso
 
 
 def _token_batch(rows, rng, tokens, max_len):
-    picked, total = [], 0
-    while total < tokens:
-        r = rows[rng.randrange(len(rows))]
-        n = len(r["ids"])
-        s = rng.randrange(0, n - max_len + 1) if n > max_len else 0
-        picked.append((r, s, min(n, s + max_len)))
-        total += picked[-1][2] - s
+    picked = _windows(rows, rng, tokens, max_len)
     T, B = max(e - s for _, s, e in picked), len(picked)
     ids = torch.zeros(B, T, dtype=torch.long)
     tk_i, tk_v, w = torch.zeros(B, T, CACHE_TOPK, dtype=torch.long), torch.zeros(B, T, CACHE_TOPK), torch.zeros(B, T)
@@ -564,14 +575,10 @@ def train_ssm(target: str, work: Path, kind: str, minutes: float, steps: int, se
     for step in bar:
         if time.time() > t_end:
             break
-        for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+        _set_lr(opt, lr, step, steps)
         batch = _token_batch(rows, random.Random(seed * 1_000_003 + step), batch_tokens, max_len)
         loss, agree = ssm_loss(d, batch, to_draft)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
-        opt.step()
+        _update(opt, loss, d)
         log.append({"step": step, "loss": loss.item(), "agree": agree})
         done = step + 1
         if hasattr(bar, "set_postfix"):

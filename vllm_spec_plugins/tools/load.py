@@ -54,6 +54,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_group(proc: subprocess.Popen, term_wait: float) -> None:
+    """End `proc`'s process group (a server started with start_new_session: API server, engine
+    core, workers): SIGTERM, and SIGKILL if it has not exited within `term_wait` seconds."""
+    for sig, wait in ((signal.SIGTERM, term_wait), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 # The server's reaper: a small process that SIGKILLs the server's whole process group (API server,
 # engine core, workers) when this process dies, however it dies (SIGKILL included, which no `with`
 # or signal handler sees). Measured: with only the API server killed, vLLM's engine core and worker
@@ -119,16 +134,7 @@ class Server:
         main = threading.current_thread() is threading.main_thread()
         held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
         try:
-            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            stop_group(self.proc, 30)
         finally:
             self.reaper.kill()          # the server is gone: the reaper has nothing left to do
             self.reaper.wait()

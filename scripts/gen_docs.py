@@ -311,12 +311,13 @@ def _latency_table(results: dict, cats: list) -> list[str]:
 def _tau_gap_table(results: dict, cats: list) -> list[str]:
     """Each method's tau against the reference method's (bench.py's `TAU_REFERENCE`) on the same
     prompts, with its interval over prompts (`paired_tau_gap`), where the run recorded them."""
-    ref = _bench().TAU_REFERENCE
+    bench = _bench()
+    ref = bench.TAU_REFERENCE
     key = f"tau_vs_{ref}"
     rows = {m: r for m, r in results.items() if any(key in (r.get(c) or {}) for c in cats)}
     if not rows:
         return []
-    lines = ["", f"tau minus `{ref}`'s on the same prompts, and its {_bench().TAU_LEVEL:.0%} interval over the "
+    lines = ["", f"tau minus `{ref}`'s on the same prompts, and its {bench.TAU_LEVEL:.0%} interval over the "
              "prompts (a paired bootstrap; the noise between two runs comes on top):", "",
              "| method | " + " | ".join(cats) + " |", "|" + "---|" * (1 + len(cats))]
     for method, r in rows.items():
